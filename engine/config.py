@@ -1,0 +1,179 @@
+"""Every engine knob in one validated dataclass, plus the per-request SamplingParams."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+
+def _fail(name: str, value, why: str) -> None:
+    raise ValueError(f"{name}={value!r}: {why}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine configuration. Every keyword of `LLM(...)` and `EngineThread(...)` is a field here."""
+
+    model: str = "smollm2-135m"
+    device: str | None = None  # "cpu" | "cuda" | None (auto)
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (bf16 on GPU, fp32 on CPU)
+
+    # Compressed PagedAttention
+    compression: bool = True  # False: the full-KV baseline on the same engine
+    block_size: int | None = None  # None: 256 on GPU, 32 on CPU
+    max_cache_blocks_per_seq: int = 8  # budget n; a request holds at most n + 1 blocks
+    window: int = 16  # observation window w (< block_size)
+    use_global_score: bool = True
+    global_decay: float = 0.8
+    use_redundancy: bool = True
+    redundancy_lambda: float = 0.2
+    redundancy_temperature: float = 0.4
+    lightning_redundancy: bool = True
+    enable_pooling: bool = True
+    pooling_kernel: int = 5
+    num_sink_tokens: int = 0
+    async_compress: bool = True
+    max_compressions_per_step: int = 8  # cap on compression work started per engine step
+    hybrid_scheduling: bool = True
+    num_query_slots: int | None = None  # None: sized together with the block pool
+
+    # Paged cache and scheduling
+    prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: min(32768, the model's context length)
+    max_num_batched_tokens: int = 4096  # prefill token budget per step
+    memory_utilization: float = 0.9  # fraction of device memory for weights + KV (GPU)
+    kv_cache_gb: float | None = None  # explicit KV pool size; on CPU default is a safe share of RAM
+    num_kv_blocks: int | None = None  # explicit block count (tests, teaching demos); overrides sizing
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                raise ValueError(f"unknown engine config field {key!r}; known fields: {', '.join(sorted(known))}")
+        if model is not None:
+            kwargs["model"] = model
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            _fail("model", self.model, "must be a non-empty model name, path or hub id")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            _fail("device", self.device, 'must be "cpu", "cuda" or None')
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            _fail("dtype", self.dtype, 'must be "float32", "bfloat16", "float16" or None')
+        for name in ("compression", "use_global_score", "use_redundancy", "lightning_redundancy",
+                     "enable_pooling", "async_compress", "hybrid_scheduling", "prefix_caching",
+                     "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be True or False")
+        self._positive_int("max_cache_blocks_per_seq")
+        self._positive_int("window")
+        self._positive_int("max_num_seqs")
+        self._positive_int("max_num_batched_tokens")
+        self._positive_int("pooling_kernel")
+        self._positive_int("max_compressions_per_step")
+        if self.block_size is not None:
+            self._positive_int("block_size")
+            if self.block_size & (self.block_size - 1):
+                _fail("block_size", self.block_size, "must be a power of two")
+            if self.compression and self.window >= self.block_size:
+                _fail("window", self.window, f"must be smaller than block_size ({self.block_size})")
+        if self.pooling_kernel % 2 == 0:
+            _fail("pooling_kernel", self.pooling_kernel, "must be odd so pooling stays centred")
+        if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
+            _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
+        if self.max_model_len is not None:
+            self._positive_int("max_model_len")
+        if self.num_query_slots is not None:
+            self._positive_int("num_query_slots")
+        if self.num_kv_blocks is not None:
+            self._positive_int("num_kv_blocks")
+        if not 0.0 < float(self.memory_utilization) <= 1.0:
+            _fail("memory_utilization", self.memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_gb is not None and not float(self.kv_cache_gb) > 0:
+            _fail("kv_cache_gb", self.kv_cache_gb, "must be > 0")
+        if not 0.0 <= float(self.global_decay) <= 1.0:
+            _fail("global_decay", self.global_decay, "must be in [0, 1]")
+        if not 0.0 <= float(self.redundancy_lambda) <= 1.0:
+            _fail("redundancy_lambda", self.redundancy_lambda, "must be in [0, 1]")
+        if not float(self.redundancy_temperature) > 0:
+            _fail("redundancy_temperature", self.redundancy_temperature, "must be > 0")
+        if not isinstance(self.seed, int):
+            _fail("seed", self.seed, "must be an integer")
+
+    def _positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(name, value, "must be an integer >= 1")
+
+    @property
+    def max_blocks_per_seq_compressed(self) -> int:
+        """N_max = n + 1: the budget plus one block to decode into."""
+        return self.max_cache_blocks_per_seq + 1
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_strings_in_output: bool = False  # keep the matched stop string in the text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                _fail(name, value, "must be a number")
+            return float(value)
+
+        if number("temperature") < 0:
+            _fail("temperature", self.temperature, "must be >= 0")
+        if not 0.0 < number("top_p") <= 1.0:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            _fail("top_k", self.top_k, "must be an integer >= -1 (0 or -1 disables it)")
+        if not 0.0 <= number("min_p") <= 1.0:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        if not number("repetition_penalty") > 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            _fail("seed", self.seed, "must be an integer or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _fail("stop", self.stop, "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                _fail("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,306 @@
+"""The engine loop body: validate requests, schedule a step, run it, apply results, report.
+
+`EngineCore` is single-threaded; `LLM` drives it directly and `EngineThread` drives it from a
+background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
+                           MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
+from engine.loader import ModelSource, resolve_model
+from engine.model_runner import ModelRunner, resolve_device
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
+
+DEFAULT_MAX_MODEL_LEN = 32768
+EVENT_LOG_SIZE = 2000
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step: its text so far, and the new piece of it."""
+
+    id: int
+    session: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None):
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        self.tokenizer = self.source.tokenizer
+        hf = self.source.hf_config
+        device = resolve_device(config.device)
+        self.block_size = config.block_size or (256 if device.type == "cuda" else 32)
+        if config.compression and config.window >= self.block_size:
+            raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
+        model_limit = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN) or DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len={config.max_model_len}: the model supports at most {model_limit}")
+        self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_limit)
+
+        self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
+        self.eos_token_ids = _eos_ids(hf, self.tokenizer)
+        self.vocab_size = hf.vocab_size
+
+        self.requests: dict[int, Sequence] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.events: deque[Event] = deque(maxlen=EVENT_LOG_SIZE)
+        self.meter = ThroughputMeter()
+        self.step_count = 0
+        self.event_count = 0  # events ever logged (the log itself is bounded)
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "preemptions": 0,
+                       "prefix_hit_tokens": 0, "compressions": 0}
+
+    # -- requests ------------------------------------------------------------------
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids for a prompt given as text, UTF-8 bytes, or token ids; ValueError when unusable."""
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = bytes(prompt).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt is not valid UTF-8: {e}") from None
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid UTF-8: {e}") from None
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.source.name!r} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode_prompt(text)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+                    stream: bool = False) -> Sequence:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt has {len(ids)} tokens but the KV pool holds only "
+                             f"{self.blocks.num_blocks * self.block_size}")
+        seq = Sequence(ids, params, session=session)
+        self.requests[seq.id] = seq
+        if stream or params.stop:
+            self.detokenizers[seq.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                              params.stop)
+        self.scheduler.add(seq)
+        self.totals["prompt_tokens"] += len(ids)
+        return seq
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.monotonic()
+        for seq in batch.admitted:
+            self._event("admitted", seq, prompt_tokens=seq.num_prompt_tokens,
+                        cached_tokens=seq.num_cached_prefix_tokens, blocks=len(seq.block_table))
+            self.totals["prefix_hit_tokens"] += seq.num_cached_prefix_tokens
+        for seq in batch.preempted:
+            self.totals["preemptions"] += 1
+            self._event("preempted", seq, output_tokens=seq.num_output_tokens)
+        if not batch.seqs:
+            return []
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as e:  # a failed forward ends the requests in it, not the engine
+            return [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
+        self.step_count += 1
+        outputs = []
+        computed = sum(batch.num_new_tokens)
+        for i, seq in enumerate(batch.seqs):
+            n = batch.num_new_tokens[i]
+            seq.num_computed_tokens += n
+            seq.kv_len += n
+            self.blocks.commit_full_blocks(seq)
+            token = tokens[i]
+            if token is None:
+                continue
+            if batch.is_prefill:
+                self._event("prefilled", seq, tokens=seq.num_tokens, seconds=round(time.monotonic() - now, 4))
+            seq.append_token(token)
+            self.totals["generated_tokens"] += 1
+            outputs.append(self._after_token(seq, token))
+        if batch.is_prefill:
+            self.meter.add(computed, 0)
+        else:
+            self.meter.add(0, computed)
+        return outputs
+
+    def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        detok = self.detokenizers.get(seq.id)
+        delta = detok.add([token]) if detok else ""
+        reason = None
+        if detok is not None and detok.stopped_at is not None:
+            reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            out = self._finish(seq, reason)
+            out.delta = delta + out.delta
+            return out
+        return self._output(seq, delta, finished=False)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        self.totals["finished"] += 1
+        kind = {"abort": "aborted", "error": "error"}.get(reason, "finished")
+        self._event(kind, seq, reason=reason, output_tokens=seq.num_output_tokens,
+                    **({"error": error} if error else {}))
+        detok = self.detokenizers.pop(seq.id, None)
+        if detok is not None:
+            delta = detok.finish(seq.params.stop_strings_in_output)
+            text = detok.final_text
+        else:
+            delta = ""
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        del self.requests[seq.id]
+        return self._output(seq, delta, finished=True, text=text)
+
+    def _output(self, seq: Sequence, delta: str, finished: bool, text: str | None = None) -> RequestOutput:
+        if text is None:
+            detok = self.detokenizers.get(seq.id)
+            text = detok.text[:detok.emitted] if detok else ""
+        metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
+                   "preemptions": seq.num_preemptions, "times_compressed": seq.times_compressed,
+                   "cached_prompt_tokens": seq.num_cached_prefix_tokens}
+        return RequestOutput(seq.id, seq.session, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                             text, delta, finished, seq.finish_reason, seq.error, metrics)
+
+    def _event(self, kind: str, seq: Sequence | None, **details) -> None:
+        self.events.append(Event(kind, seq.id if seq else None, time.time(), details))
+        self.event_count += 1
+
+    # -- observation -------------------------------------------------------------------
+    def block_roles(self, seq: Sequence) -> tuple[str, ...]:
+        roles = []
+        targets = self.config.max_cache_blocks_per_seq if seq.is_compressed else 0
+        for i, block_id in enumerate(seq.block_table):
+            if self.blocks.blocks[block_id].ref_count > 1:
+                roles.append(ROLE_SHARED)
+            elif i < targets:
+                roles.append(ROLE_TARGET)
+            elif seq.is_compressed:
+                roles.append(ROLE_DECODE)
+            else:
+                roles.append(ROLE_PRIVATE)
+        return tuple(roles)
+
+    def snapshot(self, max_events: int = 200) -> EngineSnapshot:
+        now = time.monotonic()
+        infos = []
+        for seq in self.scheduler.live():
+            elapsed = now - (seq.first_token_time or now)
+            roles = self.block_roles(seq)
+            infos.append(RequestInfo(
+                id=seq.id, session=seq.session, status=seq.status.value, prompt_tokens=seq.num_prompt_tokens,
+                output_tokens=seq.num_output_tokens, kv_len=seq.kv_len, block_table=tuple(seq.block_table),
+                block_roles=roles, blocks_shared=roles.count(ROLE_SHARED),
+                times_compressed=seq.times_compressed, query_slot=seq.query_slot,
+                tokens_per_s=seq.num_output_tokens / elapsed if elapsed > 0 else 0.0))
+        pool = PoolInfo(total=self.blocks.num_blocks, free=self.blocks.num_free, used=self.blocks.num_used,
+                        cached=self.blocks.num_cached_free, block_size=self.block_size,
+                        query_slots_total=0, query_slots_used=0)
+        return EngineSnapshot(
+            time=time.time(), step=self.step_count, model=self.source.name, device=str(self.runner.device),
+            compression=self.config.compression, requests=tuple(infos), pool=pool, memory=self._memory(),
+            throughput=self.meter.rates(now), events=tuple(list(self.events)[-max_events:]),
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), totals=dict(self.totals))
+
+    def _memory(self) -> MemoryInfo:
+        device = self.runner.device
+        if device.type == "cuda":
+            used = torch.cuda.memory_reserved(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            used, total = _process_rss(), _total_ram()
+        return MemoryInfo(kv=self.runner.kv_bytes, weights=self.runner.weight_bytes, device_used=used,
+                          device_total=total)
+
+    def check_invariants(self) -> None:
+        """Exact pool accounting (used by tests after every step)."""
+        self.blocks.check_invariants(self.scheduler.live())
+
+
+def _eos_ids(hf_config, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
+
+
+def _process_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _total_ram() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

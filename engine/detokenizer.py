@@ -1,0 +1,67 @@
+"""Streaming text from token ids: incremental decoding and stop strings."""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    A token may end in the middle of a UTF-8 character; such text is held back until the
+    character completes. Text that could still become a stop string is held back too, so a
+    stop string is never streamed before it is cut.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        # Only a short tail is re-decoded per token: ids[prefix:read] is text already taken.
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded so far (complete characters only)
+        self.emitted = 0  # characters of self.text already streamed
+        self.stopped_at: int | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Add new output ids; return the text now safe to stream."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0 and (self.stopped_at is None or at < self.stopped_at):
+                self.stopped_at = at
+        if self.stopped_at is not None:
+            return self._emit_until(self.stopped_at)
+        return self._emit_until(len(self.text) - self.holdback)
+
+    def finish(self, include_stop: bool = False) -> str:
+        """The final delta once the request ends (incomplete trailing bytes included)."""
+        self.text = self._decode(self.token_ids)
+        if self.stopped_at is not None:
+            end = self.stopped_at
+            if include_stop:
+                end += len(next(s for s in self.stop if self.text.startswith(s, self.stopped_at)))
+            self.text = self.text[:end]
+        return self._emit_until(len(self.text))
+
+    def _emit_until(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    @property
+    def final_text(self) -> str:
+        return self.text

@@ -1,0 +1,107 @@
+"""Immutable views of the engine for observers (UIs, benchmarks, logs): snapshots and events.
+
+Observers never touch the scheduler or block manager; they read these frozen records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")
+
+# Block roles as drawn by the console.
+ROLE_SHARED = "shared"  # a prefix block other requests reference too (never written)
+ROLE_PRIVATE = "private"  # an ordinary block of this request
+ROLE_TARGET = "target"  # a block holding kept tokens after compression
+ROLE_DECODE = "decode"  # the fresh block a compressed request decodes into
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    request: int | None
+    time: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    id: int
+    session: str | None
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    kv_len: int
+    block_table: tuple[int, ...]
+    block_roles: tuple[str, ...]
+    blocks_shared: int
+    times_compressed: int
+    query_slot: int | None
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    total: int
+    free: int
+    used: int
+    cached: int
+    block_size: int
+    query_slots_total: int
+    query_slots_used: int
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    kv: int  # bytes of the KV pool
+    weights: int
+    device_used: int
+    device_total: int
+
+
+@dataclass(frozen=True)
+class Throughput:
+    prefill: float  # tokens/s over the recent window
+    decode: float
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    time: float
+    step: int
+    model: str
+    device: str
+    compression: bool
+    requests: tuple[RequestInfo, ...]
+    pool: PoolInfo
+    memory: MemoryInfo
+    throughput: Throughput
+    events: tuple[Event, ...]
+    waiting: int
+    running: int
+    totals: Mapping[str, int] = field(default_factory=dict)  # lifetime counters
+
+
+class ThroughputMeter:
+    """Tokens per second over a sliding window of recent steps."""
+
+    def __init__(self, window_s: float = 2.0):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def add(self, prefill_tokens: int, decode_tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, prefill_tokens, decode_tokens))
+        while self.samples and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+
+    def rates(self, now: float | None = None) -> Throughput:
+        now = time.monotonic() if now is None else now
+        recent = [s for s in self.samples if now - s[0] <= self.window_s]
+        if not recent:
+            return Throughput(0.0, 0.0)
+        span = max(now - recent[0][0], 1e-3)
+        return Throughput(sum(s[1] for s in recent) / span, sum(s[2] for s in recent) / span)

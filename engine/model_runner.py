@@ -1,0 +1,168 @@
+"""Owns the model and its KV cache: sizes the pool, builds batch tensors, runs forward, samples."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import ModelSource
+from engine.models import CausalLM, ForwardBatch, head_dim_of
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledBatch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM for KV on CPU
+CPU_KV_CAP_BYTES = 2 << 30
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, block_size: int, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        hf = source.hf_config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = hf.num_key_value_heads
+        self.num_heads = hf.num_attention_heads
+        self.head_dim = head_dim_of(hf)
+
+        torch.manual_seed(config.seed)
+        model = CausalLM(hf)
+        if source.is_random:
+            model.init_random(config.seed)
+        else:
+            model.load_weights(source.load_weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.sampler = Sampler(config.seed)
+
+        self.num_blocks = self._size_pool()
+        shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    # -- memory ------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V for one block across all layers."""
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _size_pool(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_gb is not None:
+            budget = int(cfg.kv_cache_gb * (1 << 30))
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cfg.memory_utilization) - (total - free) - self._activation_reserve()
+        else:
+            budget = min(int(available_ram_bytes() * CPU_KV_SHARE_OF_RAM), CPU_KV_CAP_BYTES)
+        # No point holding more than every request at full length could use.
+        needed = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
+        blocks = min(budget // self.block_bytes, needed)
+        if blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
+                             f"{self.block_bytes}); lower the model size or raise memory_utilization/kv_cache_gb")
+        return int(blocks)
+
+    def _activation_reserve(self) -> int:
+        """Room for activations of the largest prefill: hidden, MLP and logits rows, with headroom."""
+        hf = self.model.config
+        tokens = self.config.max_num_batched_tokens
+        elem = torch.finfo(self.dtype).bits // 8
+        per_token = (4 * hf.hidden_size + 3 * hf.intermediate_size
+                     + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim) * elem
+        logits = self.config.max_num_seqs * hf.vocab_size * 4
+        return 2 * (tokens * per_token + logits) + (256 << 20)
+
+    # -- one step -------------------------------------------------------------------
+    def _slot(self, seq, kv_index: int) -> int:
+        return seq.block_table[kv_index // self.block_size] * self.block_size + kv_index % self.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch, list[int]]:
+        input_ids, positions, slots, context_lens, cu, sample_rows = [], [], [], [], [0], []
+        for i, seq in enumerate(batch.seqs):
+            n = batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [self._slot(seq, j) for j in range(seq.kv_len, seq.kv_len + n)]
+            context_lens.append(seq.kv_len + n)
+            cu.append(cu[-1] + n)
+            if batch.samples(i):
+                sample_rows.append(cu[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        fwd = ForwardBatch(
+            is_prefill=batch.is_prefill,
+            slot_mapping=tensor(slots),
+            block_tables=tensor(tables, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            cu_seqlens_q=tensor(cu, torch.int32) if batch.is_prefill else None,
+        )
+        return tensor(input_ids), tensor(positions), fwd, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
+        input_ids, positions, fwd, rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, fwd)
+        if not rows:
+            return [None] * len(batch.seqs)
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
+        tokens = self.sampler.sample(logits, requests)
+        out: list[int | None] = [None] * len(batch.seqs)
+        for i, token in zip(sampling, tokens):
+            out[i] = token
+        return out
+
+    @torch.inference_mode()
+    def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits of every token of a prefill batch (teacher forcing in the fidelity evaluation)."""
+        input_ids, positions, fwd, _ = self.prepare(batch)
+        return self.model.logits(self.model(input_ids, positions, fwd))

@@ -1,0 +1,270 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families, with fused QKV and gate/up projections.
+
+Family differences are switches read from the Hugging Face config: QKV bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), tied embeddings and RoPE scaling (llama3) where the config says so.
+Attention reads and writes the paged KV cache through `kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ForwardBatch:
+    """What attention needs to know about one forward pass over a flat list of tokens."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [tokens] cache slot of each token's K/V
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor  # [seqs] KV entries after this step's tokens are stored
+    cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] prefill only
+    # Query cache (compression): queries of window positions are copied to these slots, -1 = none
+    query_slot_mapping: torch.Tensor | None = None
+    query_cache: list[torch.Tensor] = field(default_factory=list)  # per layer [slots * window, q_heads, dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as the reference models do.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int):
+        super().__init__()
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        if rope_type == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported RoPE type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling).to(q.dtype)[:, None, :]
+        sin = (emb.sin() * self.scaling).to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = family_of(cfg) == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
+                                bias=bool(getattr(cfg, "attention_bias", False)) and family_of(cfg) == "llama")
+        self.qk_norm = family_of(cfg) == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                batch: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        if batch.query_slot_mapping is not None and batch.query_cache:
+            kernels.store_queries(q, batch.query_cache[self.layer_index], batch.query_slot_mapping)
+        if batch.is_prefill:
+            out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
+                                            batch.cu_seqlens_q, batch.context_lens, self.scale)
+        else:
+            out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
+                                                 batch.context_lens, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_index)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, positions, rope, batch):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head. `forward` returns final hidden states; `logits` projects chosen rows."""
+
+    def __init__(self, hf_config):
+        super().__init__()
+        self.family = family_of(hf_config)
+        self.config = hf_config
+        self.model = DecoderBody(hf_config)
+        self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, positions, self.rope, batch)
+        return self.model.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights -----------------------------------------------------------------
+    def init_random(self, seed: int) -> None:
+        """Random weights for the `random:` presets: small normal init, unit norms."""
+        gen = torch.Generator().manual_seed(seed)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = _map_name(name)
+            if target is None:
+                continue
+            if self.tied and target == "lm_head.weight":
+                continue
+            if target not in params:
+                raise ValueError(f"weight {name!r} does not fit a {self.family} model of this shape")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    _copy_checked(param, tensor, name)
+                else:
+                    _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+            loaded.add(f"{target}#{shard}" if shard else target)
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _shard_range(self, target: str, shard: str) -> tuple[int, int]:
+        attn = self.attention_layers[0]
+        if "qkv_proj" in target:
+            starts = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size),
+                      "v": (attn.q_size + attn.kv_size, attn.kv_size)}
+            return starts[shard]
+        inter = self.config.intermediate_size
+        return {"gate": (0, inter), "up": (inter, inter)}[shard]
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names += [f"{name}#{s}" for s in "qkv"]
+            elif "gate_up_proj" in name:
+                names += [f"{name}#gate", f"{name}#up"]
+            else:
+                names.append(name)
+        return names
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.copy_(tensor.to(param.dtype))
+
+
+def _map_name(name: str) -> tuple[str | None, str | None]:
+    """HF parameter name -> (our parameter name, shard of a fused layer or None)."""
+    if "rotary_emb" in name:
+        return None, None
+    for proj, shard in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+        if f".self_attn.{proj}." in name:
+            return name.replace(f".{proj}.", ".qkv_proj."), shard
+    for proj, shard in (("gate_proj", "gate"), ("up_proj", "up")):
+        if f".mlp.{proj}." in name:
+            return name.replace(f".{proj}.", ".gate_up_proj."), shard
+    return name, None
+
+
+def family_of(hf_config) -> str:
+    family = getattr(hf_config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"unsupported model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return family
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

@@ -1,0 +1,254 @@
+"""EngineThread: the engine loop in a background thread, for interactive front ends.
+
+Callers submit prompts (or chat messages) from any thread and iterate over the streamed text
+of each request; the engine thread owns the EngineCore and is the only thread touching it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from engine.config import EngineConfig, SamplingParams
+from engine.core import EngineCore, RequestOutput
+from engine.events import EngineSnapshot, Event
+
+SNAPSHOT_INTERVAL_S = 0.25
+_END = object()
+
+
+class RequestHandle:
+    """A submitted request. Iterating yields text deltas until the request ends."""
+
+    def __init__(self, request_id: int, session: str | None, prompt_tokens: int):
+        self.id = request_id
+        self.session = session
+        self.prompt_tokens = prompt_tokens
+        self._deltas: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self.output: RequestOutput | None = None
+
+    def __iter__(self):
+        while True:
+            item = self._deltas.get()
+            if item is _END:
+                return
+            yield item
+
+    def _push(self, out: RequestOutput) -> None:
+        if out.delta:
+            self._deltas.put(out.delta)
+        if out.finished:
+            self.output = out
+            self._deltas.put(_END)
+            self._done.set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the request to end and return its final output."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} still running after {timeout} s")
+        return self.output  # type: ignore[return-value]
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output else None
+
+
+class EngineThread:
+    """`EngineThread(model, **knobs)`: submit / stream / abort / snapshot / subscribe / close."""
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs):
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._handles: dict[int, RequestHandle] = {}
+        self._subscribers: list[queue.Queue] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._step_requests = 0
+        self._snapshot = self.engine.snapshot()
+        self._snapshot_time = 0.0
+        self._events_seen = 0
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="zipage-engine", daemon=True)
+        self._thread.start()
+
+    # -- client side ---------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RequestHandle:
+        """Queue a prompt (text, token ids, or a list of chat messages). Bad input raises ValueError here,
+        in the caller's thread, and the engine keeps serving everyone else."""
+        if self._stop.is_set():
+            raise RuntimeError("engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids = self.engine.apply_chat_template(prompt)
+        else:
+            ids = self.engine.encode_prompt(prompt)
+        if len(ids) >= self.engine.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}")
+        reply: queue.Queue = queue.Queue()
+        self._inbox.put(("submit", (ids, params, session), reply))
+        self._wake.set()
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def abort(self, handle: RequestHandle | int) -> None:
+        request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def snapshot(self, fresh: bool = False) -> EngineSnapshot:
+        """The latest published snapshot; `fresh=True` waits for one taken now."""
+        if fresh and self._thread.is_alive():
+            reply: queue.Queue = queue.Queue()
+            self._inbox.put(("snapshot", None, reply))
+            self._wake.set()
+            return reply.get()
+        return self._snapshot
+
+    def subscribe(self) -> queue.Queue:
+        """A queue that receives every engine Event from now on."""
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue) -> None:
+        with self._lock:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    # Teaching mode: hold the loop and advance it one step at a time.
+    def pause(self) -> None:
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused.is_set()
+
+    def step_once(self, timeout: float = 30.0) -> EngineSnapshot:
+        """While paused: run exactly one engine step and return the snapshot after it."""
+        reply: queue.Queue = queue.Queue()
+        self._inbox.put(("step", None, reply))
+        self._wake.set()
+        return reply.get(timeout=timeout)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- engine side ---------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self._paused.is_set() or not self.engine.has_work():
+                    self._publish(force=False)
+                    self._wake.wait(timeout=SNAPSHOT_INTERVAL_S)
+                    self._wake.clear()
+                    continue
+                self._run_step()
+        except BaseException as e:  # the loop itself broke: fail every request loudly
+            self.failure = e
+            for handle in list(self._handles.values()):
+                handle._push(RequestOutput(handle.id, handle.session, [], [], "", "", True, "error",
+                                           f"engine thread failed: {e!r}"))
+            raise
+        finally:
+            for request_id in list(self.engine.requests):
+                out = self.engine.abort(request_id)
+                if out is not None:
+                    self._deliver([out])
+            self._publish(force=True)
+
+    def _run_step(self) -> None:
+        self._deliver(self.engine.step())
+        self._publish(force=False)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, reply = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                ids, params, session = payload
+                try:
+                    seq = self.engine.add_request(ids, params, session=session, stream=True)
+                except ValueError as e:
+                    reply.put((False, e))
+                    continue
+                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens)
+                self._handles[seq.id] = handle
+                reply.put((True, handle))
+            elif kind == "abort":
+                out = self.engine.abort(payload)
+                if out is not None:
+                    self._deliver([out])
+            elif kind == "snapshot":
+                reply.put(self._publish(force=True))
+            elif kind == "step":
+                if self.engine.has_work():
+                    self._deliver(self.engine.step())
+                reply.put(self._publish(force=True))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.id)
+            if handle is None:
+                continue
+            handle._push(out)
+            if out.finished:
+                del self._handles[out.id]
+
+    def _publish(self, force: bool) -> EngineSnapshot:
+        now = time.monotonic()
+        new_events = self._new_events()
+        if new_events:
+            with self._lock:
+                for q in self._subscribers:
+                    for event in new_events:
+                        q.put(event)
+        if force or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
+            self._snapshot = self.engine.snapshot()
+            self._snapshot_time = now
+        return self._snapshot
+
+    def _new_events(self) -> list[Event]:
+        events = self.engine.events
+        if not events:
+            return []
+        # The log is a bounded deque; count from the newest so dropped old entries don't matter.
+        total = self._events_total()
+        fresh = min(total - self._events_seen, len(events))
+        self._events_seen = total
+        return list(events)[len(events) - fresh:] if fresh > 0 else []
+
+    def _events_total(self) -> int:
+        return self.engine.event_count
