@@ -140,12 +140,24 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Later blocks are released first so that, when the
         pool runs short, a prompt's deepest blocks are reused before its shared head."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table + seq.pending_blocks):
             self.release_block(block_id)
         seq.block_table = []
+        seq.pending_blocks = []
         seq.kv_len = 0
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+
+    def private_blocks(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks no one else references: compression may overwrite these."""
+        return [b for b in seq.block_table if self.blocks[b].ref_count == 1]
+
+    def forget_hash(self, block_id: int) -> None:
+        """Take a block out of the prefix cache before its content is overwritten."""
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = NO_HASH, ()
 
     # -- prefix cache ------------------------------------------------------------
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -169,7 +181,7 @@ class BlockManager:
         """Ref counts equal the references held by live sequences; free list holds exactly the rest."""
         refs = [0] * self.num_blocks
         for seq in live:
-            for block_id in seq.block_table:
+            for block_id in seq.block_table + seq.pending_blocks:
                 refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.id], (

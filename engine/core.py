@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
+from engine.compressor import CompressionJob, Compressor
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
@@ -59,7 +61,13 @@ class EngineCore:
 
         self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
+        self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size)
+                           if config.compression else None)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.runner.num_query_slots,
+                                   self.compressor)
+        self.jobs: dict[int, CompressionJob] = {}  # compressions in flight, by request id
+        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="zipage-compress")
+                       if config.compression and config.async_compress else None)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
         self.vocab_size = hf.vocab_size
 
@@ -135,6 +143,9 @@ class EngineCore:
         seq = self.requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        job = self.jobs.pop(request_id, None)
+        if job is not None and job.future is not None:
+            wait([job.future])  # the worker is writing its blocks; free them once it is done
         return self._finish(seq, "abort")
 
     def has_work(self) -> bool:
@@ -142,9 +153,12 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._land_compressions(block=False)
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            if self.jobs:  # only compressions are in flight: wait for one rather than spin
+                outputs += self._land_compressions(block=True)
+            return outputs
         now = time.monotonic()
         for seq in batch.admitted:
             self._event("admitted", seq, prompt_tokens=seq.num_prompt_tokens,
@@ -153,14 +167,17 @@ class EngineCore:
         for seq in batch.preempted:
             self.totals["preemptions"] += 1
             self._event("preempted", seq, output_tokens=seq.num_output_tokens)
+        for seq in batch.compress:
+            outputs += self._start_compression(seq)
         if not batch.seqs:
-            return []
+            if self.jobs and not batch.compress and not batch.preempted:
+                outputs += self._land_compressions(block=True)
+            return outputs
         try:
             tokens = self.runner.run(batch)
         except Exception as e:  # a failed forward ends the requests in it, not the engine
-            return [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
+            return outputs + [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
         self.step_count += 1
-        outputs = []
         computed = sum(batch.num_new_tokens)
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -180,6 +197,43 @@ class EngineCore:
         else:
             self.meter.add(0, computed)
         return outputs
+
+    # -- compression ------------------------------------------------------------------
+    def _start_compression(self, seq: Sequence) -> list[RequestOutput]:
+        job = self.compressor.plan(seq)
+        self.jobs[seq.id] = job
+        if self.worker is not None:
+            job.future = self.worker.submit(self._execute, job)
+            return []
+        self._execute(job)
+        return self._land(job)
+
+    def _execute(self, job: CompressionJob) -> None:
+        try:
+            self.compressor.execute(job)
+        except Exception as e:  # reported when the job lands, on the engine thread
+            job.error = e
+
+    def _land_compressions(self, block: bool) -> list[RequestOutput]:
+        futures = [j.future for j in self.jobs.values() if j.future is not None]
+        if block and futures:
+            wait(futures, return_when=FIRST_COMPLETED)
+        outputs = []
+        for job in [j for j in self.jobs.values() if j.future is not None and j.future.done()]:
+            outputs += self._land(job)
+        return outputs
+
+    def _land(self, job: CompressionJob) -> list[RequestOutput]:
+        seq = job.seq
+        del self.jobs[seq.id]
+        if job.error is not None:
+            return [self._finish(seq, "error", error=f"compression failed: {type(job.error).__name__}: {job.error}")]
+        self.compressor.apply(job)
+        self.totals["compressions"] += 1
+        self._event("compressed", seq, blocks_before=len(job.source_table), blocks_after=len(seq.block_table),
+                    tokens_before=job.kv_len, tokens_after=seq.kv_len, evicted_per_layer=job.kv_len - seq.kv_len,
+                    times=seq.times_compressed, seconds=round(job.duration, 5))
+        return []
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
@@ -260,7 +314,8 @@ class EngineCore:
                 tokens_per_s=seq.num_output_tokens / elapsed if elapsed > 0 else 0.0))
         pool = PoolInfo(total=self.blocks.num_blocks, free=self.blocks.num_free, used=self.blocks.num_used,
                         cached=self.blocks.num_cached_free, block_size=self.block_size,
-                        query_slots_total=0, query_slots_used=0)
+                        query_slots_total=self.scheduler.num_query_slots,
+                        query_slots_used=self.scheduler.slots_used)
         return EngineSnapshot(
             time=time.time(), step=self.step_count, model=self.source.name, device=str(self.runner.device),
             compression=self.config.compression, requests=tuple(infos), pool=pool, memory=self._memory(),
@@ -278,8 +333,23 @@ class EngineCore:
                           device_total=total)
 
     def check_invariants(self) -> None:
-        """Exact pool accounting (used by tests after every step)."""
-        self.blocks.check_invariants(self.scheduler.live())
+        """Exact pool accounting and the compression bound (used by tests after every step)."""
+        live = self.scheduler.live()
+        self.blocks.check_invariants(live)
+        if self.compressor is not None:
+            n_max = self.config.max_blocks_per_seq_compressed
+            for seq in live:
+                if seq.is_compressed:
+                    assert len(seq.block_table) <= n_max, f"request {seq.id} holds {len(seq.block_table)} blocks"
+            slots = [s.query_slot for s in live if s.query_slot is not None]
+            assert len(slots) == len(set(slots)), "a query slot is held twice"
+            assert len(slots) + len(self.scheduler.free_slots) == self.scheduler.num_query_slots
+
+    def close(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -64,31 +64,53 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.sampler = Sampler(config.seed)
 
-        self.num_blocks = self._size_pool()
+        self.compression = config.compression
+        self.window = config.window
+        self.trigger_len = config.max_blocks_per_seq_compressed * block_size
+        self.num_blocks, self.num_query_slots = self._size_pool()
         shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # Compression state: queries of the observation window, and each kept entry's last score.
+        self.query_cache = torch.zeros(
+            (self.num_layers, self.num_query_slots * self.window, self.num_heads, self.head_dim),
+            dtype=self.dtype, device=self.device)
+        self.score_cache = torch.zeros(
+            (self.num_layers, self.num_blocks * block_size if self.compression else 0, self.num_kv_heads),
+            dtype=torch.float32, device=self.device)
 
     # -- memory ------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V for one block across all layers."""
+        """Bytes of one block across all layers: K and V, plus its score cache under compression."""
         elem = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_token = 2 * self.num_kv_heads * self.head_dim * elem + (4 * self.num_kv_heads if self.compression else 0)
+        return self.num_layers * self.block_size * per_token
+
+    @property
+    def query_slot_bytes(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return self.num_layers * self.window * self.num_heads * self.head_dim * elem
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        """Bytes of everything the pool holds: KV blocks, score cache and query slots."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache))
 
     @property
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def _size_pool(self) -> int:
+    def _size_pool(self) -> tuple[int, int]:
+        """(blocks, query slots). Slots and blocks share one budget:
+        M * (N_max * block_bytes + query_slot_bytes) <= KV memory."""
         cfg = self.config
+        n_max = cfg.max_blocks_per_seq_compressed
         if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
+            blocks = cfg.num_kv_blocks
+            slots = cfg.num_query_slots or max(1, blocks // n_max)
+            return blocks, (min(slots, cfg.max_num_seqs) if self.compression else 0)
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * (1 << 30))
         elif self.device.type == "cuda":
@@ -96,13 +118,18 @@ class ModelRunner:
             budget = int(total * cfg.memory_utilization) - (total - free) - self._activation_reserve()
         else:
             budget = min(int(available_ram_bytes() * CPU_KV_SHARE_OF_RAM), CPU_KV_CAP_BYTES)
+        slots = 0
+        if self.compression:
+            slots = cfg.num_query_slots or budget // (n_max * self.block_bytes + self.query_slot_bytes)
+            slots = max(1, min(slots, cfg.max_num_seqs))
+            budget -= slots * self.query_slot_bytes
         # No point holding more than every request at full length could use.
         needed = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
         blocks = min(budget // self.block_bytes, needed)
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
                              f"{self.block_bytes}); lower the model size or raise memory_utilization/kv_cache_gb")
-        return int(blocks)
+        return int(blocks), int(slots)
 
     def _activation_reserve(self) -> int:
         """Room for activations of the largest prefill: hidden, MLP and logits rows, with headroom."""
@@ -118,14 +145,31 @@ class ModelRunner:
     def _slot(self, seq, kv_index: int) -> int:
         return seq.block_table[kv_index // self.block_size] * self.block_size + kv_index % self.block_size
 
+    def _query_rows(self, seq, kv_range: range, is_prefill: bool) -> list[int]:
+        """Query-cache row of each new KV entry, or -1. Entries among the last w before the next
+        compression point are kept, in row j % w of the request's slot. The point is the trigger
+        length, or the prompt's end for a prompt longer than that (compressed right after prefill)."""
+        if seq.query_slot is None:
+            return [-1] * len(kv_range)
+        end = max(self.trigger_len, seq.num_tokens if is_prefill else 0)
+        start = end - self.window
+        base = seq.query_slot * self.window
+        return [base + j % self.window if start <= j < end else -1 for j in kv_range]
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch, list[int]]:
         input_ids, positions, slots, context_lens, cu, sample_rows = [], [], [], [], [0], []
+        query_rows, any_query = [], False
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            slots += [self._slot(seq, j) for j in range(seq.kv_len, seq.kv_len + n)]
+            kv_range = range(seq.kv_len, seq.kv_len + n)
+            slots += [self._slot(seq, j) for j in kv_range]
+            if self.compression:
+                rows = self._query_rows(seq, kv_range, batch.is_prefill)
+                any_query = any_query or any(r >= 0 for r in rows)
+                query_rows += rows
             context_lens.append(seq.kv_len + n)
             cu.append(cu[-1] + n)
             if batch.samples(i):
@@ -143,6 +187,9 @@ class ModelRunner:
             context_lens=tensor(context_lens, torch.int32),
             cu_seqlens_q=tensor(cu, torch.int32) if batch.is_prefill else None,
         )
+        if any_query:
+            fwd.query_slot_mapping = tensor(query_rows)
+            fwd.query_cache = list(self.query_cache.unbind(0))
         return tensor(input_ids), tensor(positions), fwd, sample_rows
 
     @torch.inference_mode()

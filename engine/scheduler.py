@@ -19,6 +19,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # tokens each sequence computes this step
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    compress: list[Sequence] = field(default_factory=list)  # compressions to start this step
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its newest token this step and so samples a next one."""
@@ -27,12 +28,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 num_query_slots: int = 0, compressor=None):
         self.config = config
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.compressor = compressor  # None: full-KV baseline
+        self.num_query_slots = num_query_slots
+        self.free_slots: list[int] = list(range(num_query_slots))
+        if compressor is not None:
+            self.trigger_len = compressor.trigger_len
+            self.window_start = compressor.trigger_len - config.window
 
     # -- queues --------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -45,16 +53,47 @@ class Scheduler:
         return list(self.running) + list(self.waiting)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and release its blocks (finish or abort)."""
+        """Take a sequence out of the queues and release its blocks and slot (finish or abort)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_table or seq.pending_blocks:
             self.blocks.free(seq)
+        self._release_slot(seq)
+
+    # -- query slots (hybrid scheduling) ---------------------------------------------
+    @property
+    def slots_used(self) -> int:
+        return self.num_query_slots - len(self.free_slots)
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        if seq.query_slot is not None:
+            return True
+        if not self.free_slots:
+            return False
+        seq.query_slot = self.free_slots.pop(0)
+        return True
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.query_slot is not None:
+            self.free_slots.append(seq.query_slot)
+            self.free_slots.sort()
+            seq.query_slot = None
+
+    def _needs_slot_at_admission(self, seq: Sequence) -> bool:
+        if self.compressor is None:
+            return False
+        if not self.config.hybrid_scheduling:
+            return True  # without hybrid scheduling every running request holds a slot
+        return seq.num_tokens > self.window_start  # its prefill writes window queries
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        if self.compressor is not None:
+            for seq in self.running:  # the first M running requests hold the slots
+                if seq.status is not Status.WAITING and not self._take_slot(seq):
+                    break
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -76,6 +115,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq):
                 break
+            if self._needs_slot_at_admission(seq) and not self._take_slot(seq):
+                break
             self.waiting.popleft()
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
@@ -90,10 +131,18 @@ class Scheduler:
         return ScheduledBatch(True, seqs, counts, admitted=admitted)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs, preempted = [], []
+        seqs, preempted, compress = [], [], []
         queue = [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
         while queue:
             seq = queue.pop(0)
+            if self.compressor is not None and seq.kv_len >= self.trigger_len:
+                if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
+                        seq, preempted, queue, seqs):
+                    seq.status = Status.COMPRESSING  # from now on it is never preempted
+                    compress.append(seq)
+                continue
+            if self.compressor is not None and seq.kv_len >= self.window_start and seq.query_slot is None:
+                continue  # its next query belongs to the window: it waits for a slot
             while not self.blocks.append_block(seq):
                 victim = self._pick_victim(exclude=seq)
                 if victim is None:
@@ -110,9 +159,24 @@ class Scheduler:
                     break
             else:
                 seqs.append(seq)
-        if not seqs and not preempted:
+        if not seqs and not preempted and not compress:
             return None
-        return ScheduledBatch(False, seqs, [1] * len(seqs), preempted=preempted)
+        return ScheduledBatch(False, seqs, [1] * len(seqs), preempted=preempted, compress=compress)
+
+    def _reserve_for_compression(self, seq, preempted, queue, scheduled) -> bool:
+        """Make sure the fresh blocks a compression needs (to replace shared prefix blocks) are free,
+        preempting uncompressed requests if necessary."""
+        needed = self.compressor.fresh_blocks_needed(seq)
+        while self.blocks.num_free < needed:
+            victim = self._pick_victim(exclude=seq)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            for lst in (queue, scheduled):
+                if victim in lst:
+                    lst.remove(victim)
+        return True
 
     def _preemptible(self, seq: Sequence) -> bool:
         # A compressed request holds a bounded, already-paid footprint: it waits, never recomputes.
@@ -127,6 +191,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._release_slot(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -52,6 +52,8 @@ class Sequence:
         # Compression state
         self.times_compressed = 0
         self.query_slot: int | None = None
+        self.pending_blocks: list[int] = []  # fresh blocks reserved by a compression in flight
+        self.num_scored = 0  # leading KV entries that carry a score out of the last compression
         self.num_preemptions = 0
 
         self.generator: torch.Generator | None = None

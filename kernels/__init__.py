@@ -1,32 +1,41 @@
-"""One dispatch seam for every kernel: CUDA tensors go to Triton when it is available,
-everything else to the PyTorch reference (the CPU backend)."""
+"""One dispatch seam for every kernel: CUDA tensors go to the Triton version when one is registered,
+everything else to the PyTorch reference (the CPU backend and the test oracle)."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from kernels import reference
 
-_TRITON: dict[str, object] = {}  # name -> Triton implementation, filled in by kernels.triton_ops
+# name -> Triton implementation with the reference's signature; filled in by kernels.triton_ops on CUDA.
+TRITON_IMPLS: dict[str, object] = {}
 
 
-def _pick(name: str, tensor):
-    impl = _TRITON.get(name)
-    if impl is not None and tensor.is_cuda:
-        return impl
-    return getattr(reference, name)
+def _dispatch(name: str):
+    ref = getattr(reference, name)
+
+    @functools.wraps(ref)
+    def call(*args, **kwargs):
+        impl = TRITON_IMPLS.get(name)
+        if impl is not None:
+            first = next(a for a in args if isinstance(a, torch.Tensor))
+            if first.is_cuda:
+                return impl(*args, **kwargs)
+        return ref(*args, **kwargs)
+
+    return call
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping):
-    return _pick("store_kv", k_cache)(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
-    return _pick("paged_decode_attention", query)(query, k_cache, v_cache, block_tables, context_lens, scale)
-
-
-def prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
-    return _pick("prefill_attention", query)(query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                             context_lens, scale)
-
-
-def store_queries(query, query_cache, query_slot_mapping):
-    return _pick("store_queries", query_cache)(query, query_cache, query_slot_mapping)
+store_kv = _dispatch("store_kv")
+store_queries = _dispatch("store_queries")
+paged_decode_attention = _dispatch("paged_decode_attention")
+prefill_attention = _dispatch("prefill_attention")
+window_attention_score = _dispatch("window_attention_score")
+pool_scores = _dispatch("pool_scores")
+global_score_merge = _dispatch("global_score_merge")
+redundancy_score = _dispatch("redundancy_score")
+keep_indices = _dispatch("keep_indices")
+compact_kv = _dispatch("compact_kv")
+gather_kv = reference.gather_kv

@@ -101,3 +101,105 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
     if not bool(keep.any()):
         return
     query_cache.index_copy_(0, query_slot_mapping[keep].long(), query[keep].to(query_cache.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compression: scoring, selection and compaction (DESIGN section 3). Scores are float32 [kv_heads, tokens].
+
+
+def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           kv_len: int, scale: float) -> torch.Tensor:
+    """How much the last w queries attend to each cached key of one sequence.
+
+    window_queries [w, q_heads, head_dim] belong to the last w KV entries, oldest first; causal inside
+    the window. Softmax over tokens, max over the query heads of each GQA group, mean over the window.
+    Returns [kv_heads, kv_len] float32.
+    """
+    w, q_heads, head_dim = window_queries.shape
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    keys = gather_kv(k_cache, block_table, kv_len).float()  # [T, kv_heads, D]
+    q = window_queries.float().view(w, kv_heads, group, head_dim)
+    logits = torch.einsum("wkgd,tkd->kgwt", q, keys) * scale
+    q_index = torch.arange(kv_len - w, kv_len, device=keys.device)
+    future = torch.arange(kv_len, device=keys.device)[None, :] > q_index[:, None]
+    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    return probs.amax(dim=1).mean(dim=1)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool along tokens (odd kernel, same length) so neighbours of a strong token survive with it."""
+    return torch.nn.functional.max_pool1d(scores[:, None, :], kernel, stride=1, padding=kernel // 2)[:, 0, :]
+
+
+def global_score_merge(current: torch.Tensor, previous: torch.Tensor, num_previous: int,
+                       decay: float) -> torch.Tensor:
+    """s = max(s_now, decay * s_prev) for the first `num_previous` tokens (those that carry a score
+    out of the last compression); later tokens keep s_now."""
+    merged = current.clone()
+    if num_previous > 0:
+        merged[:, :num_previous] = torch.maximum(current[:, :num_previous], decay * previous[:, :num_previous])
+    return merged
+
+
+def redundancy_score(keys: torch.Tensor, lightning_block: int | None, threshold: float,
+                     temperature: float) -> torch.Tensor:
+    """How much each key repeats the others (R-KV), softmaxed over tokens.
+
+    keys [kv_heads, T, D]. Redundancy of key m = sum over other keys n of cos(m, n), except that for
+    each key n the most recent key m that is a near-duplicate of it (cos > threshold) does not count
+    it: of a run of duplicates, the newest looks unique and the older ones redundant.
+    With `lightning_block`, similarities are taken only inside each block of that many tokens.
+    """
+    kv_heads, tokens, _ = keys.shape
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    if lightning_block is None:
+        sums = _redundancy_sums(unit, threshold)
+    else:
+        pad = -tokens % lightning_block
+        padded = torch.nn.functional.pad(unit, (0, 0, 0, pad))  # zero keys have zero similarity
+        blocks = padded.reshape(kv_heads * (padded.shape[1] // lightning_block), lightning_block, -1)
+        sums = _redundancy_sums(blocks, threshold).reshape(kv_heads, -1)[:, :tokens]
+    return torch.softmax(sums / (tokens * temperature), dim=-1)
+
+
+def _redundancy_sums(unit: torch.Tensor, threshold: float) -> torch.Tensor:
+    """unit [groups, n, D] -> [groups, n]: row sums of cosine similarity with the rules above."""
+    n = unit.shape[1]
+    sim = unit @ unit.transpose(1, 2)  # [groups, m, n]
+    eye = torch.eye(n, dtype=torch.bool, device=unit.device)
+    sim = sim.masked_fill(eye, 0.0)
+    near = sim > threshold
+    rows = torch.arange(n, device=unit.device)[None, :, None]
+    latest = torch.where(near, rows, -1).amax(dim=1, keepdim=True)  # newest near-duplicate row per column
+    spared = near & (rows == latest)
+    return sim.masked_fill(spared, 0.0).sum(dim=-1)
+
+
+def keep_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices of the `keep` best tokens of each head, in ascending token order: [kv_heads, keep].
+    Ascending order keeps kept tokens in their original order after compaction."""
+    top = torch.topk(scores, keep, dim=-1).indices
+    return torch.sort(top, dim=-1).values
+
+
+def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None) -> None:
+    """Move the kept entries of every KV head into the target slots, all at once.
+
+    src_slots [kv_heads, keep]: the cache slot each head keeps at each position; dst_slots [keep].
+    Sources may overlap targets: everything is gathered before anything is written.
+    score_cache [slots, kv_heads] (optional) receives kept_scores [kv_heads, keep].
+    """
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads = torch.arange(kv_heads, device=k_cache.device)[None, :]
+    src = src_slots.t().long()  # [keep, kv_heads]
+    dst = dst_slots.long()
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    kept_k = k_flat[src, heads]  # [keep, kv_heads, D] (a copy)
+    kept_v = v_flat[src, heads]
+    k_flat[dst] = kept_k
+    v_flat[dst] = kept_v
+    if score_cache is not None and kept_scores is not None:
+        score_cache[dst] = kept_scores.t().to(score_cache.dtype)

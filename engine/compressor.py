@@ -1,0 +1,128 @@
+"""The compression pipeline: scores -> keep set -> compaction (DESIGN section 3).
+
+A compression is planned on the engine thread (which blocks become targets, which are released),
+executed as pure tensor work (possibly on a worker thread, beside decoding), and applied back on
+the engine thread (new block table, blocks released).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, Status
+
+NEAR_DUPLICATE = 0.5  # cosine similarity above which two keys count as near-duplicates
+
+
+@dataclass
+class CompressionJob:
+    seq: Sequence
+    kv_len: int  # entries scored
+    source_table: list[int]
+    targets: list[int]  # n blocks that receive the kept entries
+    decode_block: int  # the fresh block the request decodes into next
+    release: list[int]  # blocks the request drops once compaction lands
+    first: bool  # the request's first compression (pooling applies)
+    num_scored: int  # leading entries that carry a score from the previous compression
+    started: float = field(default_factory=time.monotonic)
+    duration: float = 0.0
+    future: object = None
+    error: BaseException | None = None
+
+
+class Compressor:
+    def __init__(self, config: EngineConfig, runner, blocks: BlockManager, block_size: int):
+        self.config = config
+        self.runner = runner
+        self.blocks = blocks
+        self.block_size = block_size
+        self.budget_blocks = config.max_cache_blocks_per_seq
+        self.keep = self.budget_blocks * block_size
+        self.window = config.window
+        self.trigger_len = (self.budget_blocks + 1) * block_size  # kv_len that forces a compression
+
+    # -- planning (engine thread) ---------------------------------------------------
+    def fresh_blocks_needed(self, seq: Sequence) -> int:
+        return max(0, self.budget_blocks + 1 - len(self.blocks.private_blocks(seq)))
+
+    def plan(self, seq: Sequence) -> CompressionJob:
+        """Choose targets among the request's private blocks (shared prefix blocks are never written)
+        and reserve fresh blocks for the rest. The caller checked enough blocks are free."""
+        private = self.blocks.private_blocks(seq)
+        chosen = private[:self.budget_blocks + 1]
+        fresh = []
+        while len(chosen) + len(fresh) < self.budget_blocks + 1:
+            block_id = self.blocks.allocate_one()
+            if block_id is None:
+                for b in fresh:
+                    self.blocks.release_block(b)
+                raise RuntimeError("compression planned without enough free blocks")
+            fresh.append(block_id)
+        for block_id in chosen:
+            self.blocks.forget_hash(block_id)  # its content is about to change
+        new_table = chosen + fresh
+        seq.pending_blocks = fresh
+        seq.status = Status.COMPRESSING
+        return CompressionJob(
+            seq=seq, kv_len=seq.kv_len, source_table=list(seq.block_table),
+            targets=new_table[:self.budget_blocks], decode_block=new_table[self.budget_blocks],
+            release=[b for b in seq.block_table if b not in chosen],
+            first=seq.times_compressed == 0, num_scored=seq.num_scored)
+
+    # -- the tensor work (any thread) ---------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, job: CompressionJob) -> None:
+        start = time.monotonic()
+        runner, cfg, bs = self.runner, self.config, self.block_size
+        device = runner.device
+        table = torch.tensor(job.source_table, dtype=torch.int64, device=device)
+        window_rows = torch.tensor(
+            [job.seq.query_slot * self.window + j % self.window for j in range(job.kv_len - self.window, job.kv_len)],
+            dtype=torch.int64, device=device)
+        dst = torch.tensor([b * bs + o for b in job.targets for o in range(bs)], dtype=torch.int64, device=device)
+        token_slots = table[:, None] * bs + torch.arange(bs, device=device)[None, :]
+        token_slots = token_slots.flatten()[:job.kv_len]  # slot of each scored entry
+        scale = runner.head_dim ** -0.5
+        for layer in range(runner.num_layers):
+            k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+            queries = runner.query_cache[layer].index_select(0, window_rows)
+            attention = kernels.window_attention_score(queries, k_cache, table, job.kv_len, scale)
+            if cfg.enable_pooling and job.first:
+                attention = kernels.pool_scores(attention, cfg.pooling_kernel)
+            if cfg.use_global_score:
+                previous = runner.score_cache[layer].index_select(0, token_slots).t()
+                attention = kernels.global_score_merge(attention, previous, job.num_scored, cfg.global_decay)
+            final = attention
+            if cfg.use_redundancy:
+                keys = kernels.gather_kv(k_cache, table, job.kv_len).transpose(0, 1)
+                redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
+                                                      NEAR_DUPLICATE, cfg.redundancy_temperature)
+                final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
+            final = final.clone()
+            final[:, job.kv_len - self.window:] = float("inf")  # the window always stays
+            if cfg.num_sink_tokens:
+                final[:, :cfg.num_sink_tokens] = float("inf")
+            keep = kernels.keep_indices(final, self.keep)  # [kv_heads, keep], ascending
+            kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[keep], dst,
+                               attention.gather(1, keep))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        job.duration = time.monotonic() - start
+
+    # -- landing (engine thread) ---------------------------------------------------------
+    def apply(self, job: CompressionJob) -> None:
+        seq = job.seq
+        seq.block_table = job.targets + [job.decode_block]
+        seq.pending_blocks = []
+        for block_id in job.release:
+            self.blocks.release_block(block_id)
+        seq.kv_len = self.keep
+        seq.num_scored = self.keep
+        seq.times_compressed += 1
+        seq.status = Status.RUNNING
