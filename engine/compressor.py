@@ -34,6 +34,7 @@ class CompressionJob:
     duration: float = 0.0
     future: object = None
     error: BaseException | None = None
+    ready: object = None  # CUDA event: the request's last KV writes are done
 
 
 class Compressor:
@@ -46,6 +47,9 @@ class Compressor:
         self.keep = self.budget_blocks * block_size
         self.window = config.window
         self.trigger_len = (self.budget_blocks + 1) * block_size  # kv_len that forces a compression
+        self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # random baseline
+        # On CUDA, compression runs on its own stream so decoding never waits for it.
+        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
     # -- planning (engine thread) ---------------------------------------------------
     def fresh_blocks_needed(self, seq: Sequence) -> int:
@@ -69,7 +73,11 @@ class Compressor:
         new_table = chosen + fresh
         seq.pending_blocks = fresh
         seq.status = Status.COMPRESSING
-        return CompressionJob(
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # after every forward that wrote this request's KV was queued
+        return CompressionJob(ready=ready, 
             seq=seq, kv_len=seq.kv_len, source_table=list(seq.block_table),
             targets=new_table[:self.budget_blocks], decode_block=new_table[self.budget_blocks],
             release=[b for b in seq.block_table if b not in chosen],
@@ -78,6 +86,15 @@ class Compressor:
     # -- the tensor work (any thread) ---------------------------------------------------
     @torch.inference_mode()
     def execute(self, job: CompressionJob) -> None:
+        if self.stream is None:
+            self._execute(job)
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(job.ready)
+            self._execute(job)
+            self.stream.synchronize()  # the job lands only once its writes are done
+
+    def _execute(self, job: CompressionJob) -> None:
         start = time.monotonic()
         runner, cfg, bs = self.runner, self.config, self.block_size
         device = runner.device
@@ -91,6 +108,9 @@ class Compressor:
         scale = runner.head_dim ** -0.5
         for layer in range(runner.num_layers):
             k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+            if cfg.eviction != "score":
+                self._compact_baseline(job, k_cache, v_cache, token_slots, dst)
+                continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
             attention = kernels.window_attention_score(queries, k_cache, table, job.kv_len, scale)
             if cfg.enable_pooling and job.first:
@@ -114,6 +134,20 @@ class Compressor:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         job.duration = time.monotonic() - start
+
+    def _compact_baseline(self, job, k_cache, v_cache, token_slots, dst) -> None:
+        """The comparison policies at the same budget: random eviction, or sinks + most recent."""
+        kv_heads = k_cache.shape[2]
+        if self.config.eviction == "random":
+            final = torch.rand((kv_heads, job.kv_len), generator=self.generator, device=k_cache.device)
+        else:
+            final = torch.arange(job.kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
+        final = final.clone()
+        final[:, job.kv_len - self.window:] = float("inf")
+        if self.config.num_sink_tokens:
+            final[:, :self.config.num_sink_tokens] = float("inf")
+        keep = kernels.keep_indices(final, self.keep)
+        kernels.compact_kv(k_cache, v_cache, None, token_slots[keep], dst, None)
 
     # -- landing (engine thread) ---------------------------------------------------------
     def apply(self, job: CompressionJob) -> None:

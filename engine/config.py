@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 
+EVICTION_POLICIES = ("score", "random", "recent")
+
+
 def _fail(name: str, value, why: str) -> None:
     raise ValueError(f"{name}={value!r}: {why}")
 
@@ -32,6 +35,7 @@ class EngineConfig:
     enable_pooling: bool = True
     pooling_kernel: int = 5
     num_sink_tokens: int = 0
+    eviction: str = "score"  # "score" (Zipage); baselines: "random", "recent" (sinks + most recent)
     async_compress: bool = True
     max_compressions_per_step: int = 8  # cap on compression work started per engine step
     hybrid_scheduling: bool = True
@@ -90,6 +94,8 @@ class EngineConfig:
                 _fail("window", self.window, f"must be smaller than block_size ({self.block_size})")
         if self.pooling_kernel % 2 == 0:
             _fail("pooling_kernel", self.pooling_kernel, "must be odd so pooling stays centred")
+        if self.eviction not in EVICTION_POLICIES:
+            _fail("eviction", self.eviction, f"must be one of {', '.join(EVICTION_POLICIES)}")
         if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
         if self.max_model_len is not None:

@@ -8,6 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import ModelSource
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import CausalLM, ForwardBatch, head_dim_of
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
@@ -15,6 +16,8 @@ from engine.scheduler import ScheduledBatch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM for KV on CPU
 CPU_KV_CAP_BYTES = 2 << 30
+MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly
+GPU_HEADROOM_BYTES = 1 << 30  # CUDA graphs, the compression stream's buffers, allocator slack
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -55,6 +58,8 @@ class ModelRunner:
         self.num_heads = hf.num_attention_heads
         self.head_dim = head_dim_of(hf)
 
+        if self.device.type == "cuda":
+            import kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
         torch.manual_seed(config.seed)
         model = CausalLM(hf)
         if source.is_random:
@@ -63,6 +68,7 @@ class ModelRunner:
             model.load_weights(source.load_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.sampler = Sampler(config.seed)
+        self.logits_observer = None  # callable(seq, logits_row) for evaluation; None in serving
 
         self.compression = config.compression
         self.window = config.window
@@ -79,6 +85,11 @@ class ModelRunner:
         self.score_cache = torch.zeros(
             (self.num_layers, self.num_blocks * block_size if self.compression else 0, self.num_kv_heads),
             dtype=torch.float32, device=self.device)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.device, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                       self.max_blocks_per_seq, self.query_cache if self.compression else None)
 
     # -- memory ------------------------------------------------------------------
     @property
@@ -114,8 +125,9 @@ class ModelRunner:
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * (1 << 30))
         elif self.device.type == "cuda":
+            peak = self._profile_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * cfg.memory_utilization) - (total - free) - self._activation_reserve()
+            budget = int(total * cfg.memory_utilization) - (total - free) - peak - GPU_HEADROOM_BYTES
         else:
             budget = min(int(available_ram_bytes() * CPU_KV_SHARE_OF_RAM), CPU_KV_CAP_BYTES)
         slots = 0
@@ -131,15 +143,31 @@ class ModelRunner:
                              f"{self.block_bytes}); lower the model size or raise memory_utilization/kv_cache_gb")
         return int(blocks), int(slots)
 
-    def _activation_reserve(self) -> int:
-        """Room for activations of the largest prefill: hidden, MLP and logits rows, with headroom."""
-        hf = self.model.config
-        tokens = self.config.max_num_batched_tokens
-        elem = torch.finfo(self.dtype).bits // 8
-        per_token = (4 * hf.hidden_size + 3 * hf.intermediate_size
-                     + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim) * elem
-        logits = self.config.max_num_seqs * hf.vocab_size * 4
-        return 2 * (tokens * per_token + logits) + (256 << 20)
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Run the largest prefill once on a throw-away cache and measure the activation peak."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        scratch = torch.zeros((self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                              dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.randint(0, self.model.config.vocab_size, (tokens,), device=self.device)
+        fwd = ForwardBatch(is_prefill=True, slot_mapping=torch.arange(tokens, device=self.device),
+                           block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+                           context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+                           cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device))
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), fwd)
+        rows = min(self.config.max_num_seqs, tokens)
+        self.model.logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
 
     # -- one step -------------------------------------------------------------------
     def _slot(self, seq, kv_index: int) -> int:
@@ -178,7 +206,9 @@ class ModelRunner:
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
 
         def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            if self.device.type == "cuda":  # stage in pinned memory so the copy runs asynchronously
+                return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype)
 
         fwd = ForwardBatch(
             is_prefill=batch.is_prefill,
@@ -196,7 +226,11 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
         input_ids, positions, fwd, rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, fwd)
+        if (not batch.is_prefill and self.graphs is not None
+                and self.graphs.fits(len(batch.seqs), fwd.block_tables.shape[1])):
+            hidden = self.graphs.run(input_ids, positions, fwd)
+        else:
+            hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return [None] * len(batch.seqs)
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
@@ -204,12 +238,11 @@ class ModelRunner:
         requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
         tokens = self.sampler.sample(logits, requests)
         out: list[int | None] = [None] * len(batch.seqs)
-        for i, token in zip(sampling, tokens):
+        for row, (i, token) in enumerate(zip(sampling, tokens)):
+            seq = batch.seqs[i]
+            if self.logits_observer is not None:
+                self.logits_observer(seq, logits[row])
+            if seq.forced_tokens is not None:
+                token = seq.forced_tokens[seq.num_output_tokens]
             out[i] = token
         return out
-
-    @torch.inference_mode()
-    def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits of every token of a prefill batch (teacher forcing in the fidelity evaluation)."""
-        input_ids, positions, fwd, _ = self.prepare(batch)
-        return self.model.logits(self.model(input_ids, positions, fwd))

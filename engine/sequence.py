@@ -56,6 +56,7 @@ class Sequence:
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
         self.num_preemptions = 0
 
+        self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -1,0 +1,147 @@
+"""CPU throughput: Zipage against transformers' `generate` (static padded batch) and
+`generate_batch` (continuous batching), in one process, on the same weights.
+
+    python benchmarks/cpu_throughput.py                 # 16 chat prompts x 128 greedy tokens, SmolLM2
+    python benchmarks/cpu_throughput.py --json out.json
+
+Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, fp32.
+Throughput = generated tokens / wall time of the whole batch (prefill included). Each mode runs
+once untimed (warm-up) and then --repeats timed runs; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+PROMPTS = [
+    "Explain how a hash map works.", "Write a short poem about autumn.", "What causes the tides?",
+    "Give three tips for learning a new language.", "How does a bicycle stay upright?",
+    "Summarise the plot of Romeo and Juliet.", "Why is the ocean salty?", "What is a prime number?",
+    "Describe the water cycle.", "How do vaccines work?", "What is the difference between a list and a tuple in Python?",
+    "Why do cats purr?", "How is glass made?", "What does a CPU cache do?", "Explain photosynthesis simply.",
+    "How do airplanes fly?",
+]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                           add_generation_prompt=True), add_special_tokens=False)
+            for p in prompts]
+
+
+def run_zipage(llm, prompts, output_len: int):
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    def once():
+        return sum(len(o.token_ids) for o in llm.generate(prompts, params))
+
+    return once
+
+
+def hf_model(llm):
+    """The transformers model on the very weights the engine loaded."""
+    from transformers import AutoModelForCausalLM
+
+    path = llm.engine.source.path
+    if path.endswith(".gguf"):
+        import os
+        folder, name = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_hf_generate(model, tokenizer, prompts, output_len: int):
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    @torch.inference_mode()
+    def once():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(prompts)
+
+    return once
+
+
+def run_hf_generate_batch(model, prompts, output_len: int):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=model.generation_config.pad_token_id or 0)
+
+    @torch.inference_mode()
+    def once():
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+        return sum(len(r.generated_tokens) for r in results.values())
+
+    return once
+
+
+def timed(once, repeats: int) -> dict:
+    once()  # warm-up
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = once()
+        runs.append((time.perf_counter() - start, tokens))
+    seconds = statistics.median(r[0] for r in runs)
+    tokens = runs[0][1]
+    return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
+               "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "machine": platform.processor() or platform.machine(), "modes": {}}
+    modes = args.modes.split(",")
+    from engine import LLM
+
+    llm = LLM(args.model, device="cpu", compression=True)
+    prompts = chat_prompts(llm.tokenizer, args.num_requests)
+    results["prompt_tokens"] = [len(p) for p in prompts]
+    hf = None
+    for mode in modes:
+        if mode == "zipage":
+            once = run_zipage(llm, prompts, args.output_len)
+        elif mode == "fullkv":
+            once = run_zipage(LLM(args.model, device="cpu", compression=False), prompts, args.output_len)
+        elif mode == "hf-generate":
+            hf = hf or hf_model(llm)
+            once = run_hf_generate(hf, llm.tokenizer, prompts, args.output_len)
+        elif mode == "hf-generate-batch":
+            hf = hf or hf_model(llm)
+            once = run_hf_generate_batch(hf, prompts, args.output_len)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        results["modes"][mode] = timed(once, args.repeats)
+        r = results["modes"][mode]
+        print(f"{mode:18s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} tokens in {r['seconds']:.2f} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""GPU throughput under memory pressure: Zipage, the same engine with full KV, and transformers'
+continuous batching (`generate_batch`), in one process.
+
+    python3 benchmarks/gpu_throughput.py --model random:qwen3-0.6b --num-requests 256 \\
+        --kv-cache-gb 16 --json out.json
+
+Workload: prompts of --min-input..--max-input random tokens, outputs of --min-output..--max-output
+tokens (EOS ignored), drawn once from a fixed seed so every mode serves the same requests. The KV
+pool is fixed with --kv-cache-gb (the same bytes for Zipage and full KV) to emulate a card whose
+memory, not compute, caps concurrency. transformers' generate_batch takes one output length for a
+whole batch, so it serves the same prompts with every output set to the workload's mean length
+(the same total tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(num):
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(min_in, max_in))])
+        outputs.append(rng.randint(min_out, max_out))
+    return prompts, outputs
+
+
+def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: dict, log) -> dict:
+    from engine.config import EngineConfig, SamplingParams
+    from engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig(model=model, compression=compression, **engine_kwargs))
+    for p, n in zip(prompts, outputs):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    peak_running, peak_blocks_per_req, steps = 0, 0, 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    last_log = start
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        running = engine.scheduler.running
+        peak_running = max(peak_running, len(running))
+        if steps % 64 == 0:
+            peak_blocks_per_req = max([peak_blocks_per_req] + [len(s.block_table) for s in running])
+        now = time.perf_counter()
+        if now - last_log > 15:
+            log(f"  {'zipage' if compression else 'fullkv'}: {engine.totals['generated_tokens']} tokens, "
+                f"{len(running)} running, {len(engine.scheduler.waiting)} waiting, {now - start:.0f} s")
+            last_log = now
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = engine.totals["generated_tokens"]
+    result = {"tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+              "peak_concurrency": peak_running, "steps": steps, "preemptions": engine.totals["preemptions"],
+              "compressions": engine.totals["compressions"], "kv_blocks": engine.blocks.num_blocks,
+              "block_size": engine.block_size, "query_slots": engine.runner.num_query_slots,
+              "peak_blocks_per_request_sampled": peak_blocks_per_req,
+              "kv_pool_gb": engine.runner.kv_bytes / (1 << 30)}
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_hf(model: str, prompts, outputs, log) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from engine.loader import resolve_model
+
+    source = resolve_model(model)
+    if source.is_random:
+        hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.bfloat16).cuda().eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.bfloat16).cuda().eval()
+    mean_out = round(sum(outputs) / len(outputs))
+    config = GenerationConfig(max_new_tokens=mean_out, min_new_tokens=mean_out, do_sample=False,
+                              eos_token_id=source.tokenizer.eos_token_id, pad_token_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = hf.generate_batch(inputs=prompts, generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    del hf
+    torch.cuda.empty_cache()
+    return {"tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+            "output_len_each": mean_out}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--modes", default="zipage,fullkv,hf")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--hf-num-requests", type=int, default=None, help="fewer requests for hf (default: all)")
+    parser.add_argument("--min-input", type=int, default=128)
+    parser.add_argument("--max-input", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=2048)
+    parser.add_argument("--max-output", type=int, default=8192)
+    parser.add_argument("--kv-cache-gb", type=float, default=None)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=8, help="max_cache_blocks_per_seq")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from engine.loader import resolve_model
+
+    vocab = resolve_model(args.model).hf_config.vocab_size
+    prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,
+                                     args.max_output, min(vocab, 32000), args.seed)
+    engine_kwargs = dict(device="cuda", block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
+                         max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+                         enforce_eager=args.enforce_eager)
+    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "args": vars(args), "total_output_tokens": sum(outputs), "modes": {}}
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    for mode in args.modes.split(","):
+        log(f"{args.model} {mode} ...")
+        try:
+            if mode in ("zipage", "fullkv"):
+                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log)
+            elif mode == "hf":
+                n = args.hf_num_requests or len(prompts)
+                r = run_hf(args.model, prompts[:n], outputs[:n], log)
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
+        except Exception as e:  # record and go on: one failed mode must not lose the others
+            r = {"error": f"{type(e).__name__}: {e}"}
+        results["modes"][mode] = r
+        log(f"{args.model} {mode}: " + json.dumps(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
