@@ -90,7 +90,8 @@ class Compressor:
             self._execute(job)
             return
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(job.ready)
+            if job.ready is not None:
+                self.stream.wait_event(job.ready)
             self._execute(job)
             self.stream.synchronize()  # the job lands only once its writes are done
 

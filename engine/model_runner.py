@@ -6,6 +6,7 @@ import os
 
 import torch
 
+import kernels
 from engine.config import EngineConfig
 from engine.loader import ModelSource
 from engine.cuda_graphs import DecodeGraphs
@@ -87,7 +88,8 @@ class ModelRunner:
             dtype=torch.float32, device=self.device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Graph capture needs kernels that never sync with the host: the Triton ones.
+        if self.device.type == "cuda" and not config.enforce_eager and "paged_decode_attention" in kernels.TRITON_IMPLS:
             self.graphs = DecodeGraphs(self.model, self.device, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                                        self.max_blocks_per_seq, self.query_cache if self.compression else None)
 

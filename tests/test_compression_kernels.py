@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import reference
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -213,7 +212,7 @@ def test_redundancy_spares_the_newest_of_a_run_of_duplicates():
         keys[0, t, t] = 1.0  # orthogonal
     keys[0, 1] = keys[0, 3] = keys[0, 5] = torch.tensor([0, 0, 0, 0, 0, 1.0])
     got = kernels.redundancy_score(keys, None, 0.5, 1.0)[0]
-    # Raw sums: key 1 counted by 3 (r(3)=5? no: r(3)=5 spares (3,5)) ... computed by the definition:
+    # r(1) = r(3) = 5 and r(5) = 3: key 1 is counted by 3 and 5, key 3 by 1 only, key 5 by nobody.
     sums = naive_redundancy_sums(keys[0], 0.5)
     assert sums.tolist() == [0.0, 2.0, 0.0, 1.0, 0.0, 0.0]
     assert float(got[5]) < float(got[3]) < float(got[1])
@@ -233,13 +232,15 @@ def test_lightning_redundancy_is_raw_redundancy_within_each_block(kv_heads, toke
 
 
 def test_lightning_ignores_similarity_across_blocks():
-    """Two identical keys in different blocks are redundant for raw, not for lightning."""
+    """Copies of one key spread over two blocks are redundant for raw, not for lightning."""
     keys = torch.zeros(1, 8, 8)
     for t in range(8):
         keys[0, t, t] = 1.0
-    keys[0, 6] = keys[0, 1]
-    raw = reference._redundancy_sums(torch.nn.functional.normalize(keys, dim=-1), 0.5)
-    assert float(raw[0, 1]) == 1.0  # token 1 is counted by 6 ... (token 6 is named by 1 and spared)
+    keys[0, 5] = keys[0, 6] = keys[0, 1]
+    # Raw: r(1) = r(5) = 6, r(6) = 5, so key 1 is counted by 5 and 6. Lightning (blocks of 4): key 1
+    # is alone in its block, and the pair 5, 6 spare each other.
+    raw = naive_redundancy_sums(keys[0], 0.5)
+    assert raw.tolist()[1] == 2.0
     light = kernels.redundancy_score(keys, 4, 0.5, 1.0)
     assert torch.allclose(light, torch.full_like(light, 1 / 8))  # all sums zero: uniform
     assert not torch.allclose(kernels.redundancy_score(keys, None, 0.5, 1.0), light)
@@ -287,8 +288,8 @@ def test_compact_kv_moves_exactly_the_selected_entries(num_blocks, block_size, k
     num_targets = data.draw(st.integers(1, len(source_blocks) - 1))
     pool = data.draw(st.permutations(list(range(num_blocks))))
     overlap = data.draw(st.booleans())
-    targets = (source_blocks[:num_targets] if overlap else
-               [b for b in pool if b not in source_blocks][:num_targets] or source_blocks[-num_targets:])
+    others = [b for b in pool if b not in source_blocks]
+    targets = source_blocks[:num_targets] if overlap else (others + source_blocks[::-1])[:num_targets]
     keep = num_targets * block_size
     source_slots = [b * block_size + o for b in source_blocks for o in range(block_size)]
     src = torch.stack([

@@ -143,5 +143,159 @@ def eval_fidelity(
             json.dump(results, f, indent=2)
 
 
+
+def _load_engine(engine_kwargs: dict):
+    """Start the engine behind a spinner; bad knobs or models exit with status 2."""
+    from engine.service import EngineThread
+
+    try:
+        with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
+            return EngineThread(**engine_kwargs)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+
+
+def _check_theme(theme: str) -> None:
+    from zipage_cli.themes import check_theme
+
+    try:
+        check_theme(theme)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+
+
+@app.command(epilog="Examples:\n\n  zipage chat\n\n"
+                    "  zipage chat --sessions 3 --theme light --temperature 0.3\n\n"
+                    "  zipage chat --plain --max-tokens 128\n\n"
+                    "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
+                    "Keys: Ctrl+N new session, Ctrl+W close, Alt+←/→ switch, Ctrl+B send to all sessions, "
+                    "Esc stop the answer, Ctrl+T theme, F1 help, Ctrl+Q quit.")
+@engine_options
+def chat(
+    plain: bool = typer.Option(False, help="Line-mode chat instead of the full-screen app (also used when "
+                                           "standard input or output is not a terminal)."),
+    sessions: int = typer.Option(1, min=1, max=16, help="Chat sessions to open at start."),
+    temperature: float = typer.Option(0.7, help="Sampling temperature of new sessions; 0 = greedy."),
+    max_tokens: int = typer.Option(512, help="Most tokens per answer in new sessions."),
+    system: str = typer.Option(None, help="A system message for new sessions."),
+    theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
+    engine_kwargs: dict = None,
+):
+    """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside."""
+    from engine.config import SamplingParams
+    from zipage_cli.plain_chat import Conversation, run_plain
+
+    _check_theme(theme)
+    try:
+        SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+    full_screen = not plain and sys.stdin.isatty() and sys.stdout.isatty()
+    engine = _load_engine(engine_kwargs)
+    try:
+        if full_screen:
+            from zipage_cli.chat import ChatApp
+
+            ChatApp(engine, theme, sessions, temperature, max_tokens, system).run()
+        else:
+            run_plain(engine, Conversation("chat", temperature, max_tokens, system))
+    finally:
+        engine.close()
+
+
+@app.command(epilog="Examples:\n\n  zipage top\n\n"
+                    "  zipage top --concurrency 16 --input-len 256 --output-len 1024 --rate 2\n\n"
+                    "  zipage top --teach --num-kv-blocks 64 --block-size 16 --window 8\n\n"
+                    "  zipage top --prompts questions.jsonl   (one {\"prompt\": \"...\"} per line)\n\n"
+                    "Keys: t teaching mode (pause), space one step, ↑/↓ select a request, Ctrl+T theme, "
+                    "F1 help, q quit.")
+@engine_options
+def top(
+    concurrency: int = typer.Option(8, min=1, help="Requests kept in flight."),
+    input_len: int = typer.Option(128, min=1, help="Prompt length of synthetic requests, in tokens."),
+    output_len: int = typer.Option(512, min=1, help="Tokens generated per request."),
+    rate: float = typer.Option(None, min=0.001, help="Start at most this many requests per second."),
+    prompts: str = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} per line), cycled; "
+                                           "default: random-token prompts."),
+    teach: bool = typer.Option(False, help="Start in teaching mode: paused, one engine step per key press."),
+    theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
+    engine_kwargs: dict = None,
+):
+    """Watch the engine under load, block by block; teaching mode explains it one step at a time."""
+    from engine.config import SamplingParams
+    from zipage_cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
+
+    _check_theme(theme)
+    try:
+        texts = read_prompts(prompts) if prompts else None
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+    engine = _load_engine(engine_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=texts is None)
+        source = prompt_source(engine, texts, input_len, engine.config.seed)
+        TopApp(engine, LoadGenerator(engine, source, params, concurrency, rate), theme, teach).run()
+    finally:
+        engine.close()
+
+
+@app.command(epilog="Examples:\n\n  zipage bench\n\n"
+                    "  zipage bench --model random:qwen3-0.6b --mode zipage --mode fullkv --mode hf "
+                    "--num-requests 64 --input-len 256 --output-len 2048 --json results.json\n\n"
+                    "  zipage bench --mode zipage --mode fullkv --max-cache-blocks-per-seq 4")
+@engine_options
+def bench(
+    mode: list[str] = typer.Option(["zipage", "fullkv"], "--mode",
+                                   help="zipage (compression on), fullkv (same engine, compression off) or hf "
+                                        "(transformers continuous batching); repeat to compare, first is the base."),
+    num_requests: int = typer.Option(16, min=1, help="Requests, all submitted at once."),
+    input_len: int = typer.Option(128, min=1, help="Random prompt tokens per request."),
+    output_len: int = typer.Option(256, min=1, help="Tokens generated per request (greedy, EOS ignored)."),
+    json_path: str = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    engine_kwargs: dict = None,
+):
+    """Throughput of Zipage against full KV and transformers on the same weights and prompts."""
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zipage_cli.bench import MODES, run_bench
+
+    bad = [m for m in mode if m not in MODES]
+    if bad:
+        err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+        raise typer.Exit(2)
+    model = engine_kwargs.pop("model", "smollm2-135m")
+    with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err) as bar:
+        tasks = {m: bar.add_task(m, total=num_requests, start=False) for m in mode}
+
+        def progress(m: str, done: int, total: int) -> None:
+            bar.start_task(tasks[m])
+            bar.update(tasks[m], completed=done)
+
+        try:
+            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress)
+        except ValueError as e:
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2)
+    table = Table(title=f"{model} · {num_requests} requests · {input_len} in / {output_len} out · "
+                        f"{results['device']}")
+    for column in ("mode", "tok/s", "time (s)", "output tokens", "peak concurrency", f"vs {mode[0]}"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in results["results"]:
+        table.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['seconds']:.2f}", str(r["output_tokens"]),
+                      "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}×")
+    Console().print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 if __name__ == "__main__":
     app()

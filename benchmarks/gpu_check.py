@@ -1,0 +1,833 @@
+"""GPU checks and timings of the Triton kernels (run on the H200).
+
+    python3 benchmarks/gpu_check.py --out DIR            # real sizes, bf16, on CUDA (well under 8 minutes)
+    python3 benchmarks/gpu_check.py --out DIR --smoke    # tiny sizes on the CPU with TRITON_INTERPRET=1
+
+Sections (each in its own try/except: a failure is recorded and the script goes on):
+  1. kernel checks: every Triton kernel against kernels.reference run on the same device in fp32
+     (relative-norm error ||out - ref|| / ||ref|| < 1e-2 for bf16; exact for the copies and the keep set),
+     plus fp32 checks of the attention kernels (IEEE dot path), the full compression pipeline of
+     engine.compressor (Triton vs reference keep sets) and a CUDA-graph capture of decode attention;
+  2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
+     against transformers on tiny random Llama/Qwen2/Qwen3 models;
+  3. timings (triton.testing.do_bench, median): paged decode attention at batch 256 x 2048 tokens
+     (bytes of K+V read per second against the device-to-device copy bandwidth), decode at batch 1 x
+     32k (split-K), prefill, and one full compression of a full-budget request.
+Prints a PASS/FAIL table and writes DIR/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+if "--smoke" in sys.argv:  # must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels import triton_ops  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    triton_ops.patch_interpreter_for_numpy2()
+
+BF16_TOL = 1e-2
+FP32_TOL = 1e-4
+
+
+@dataclass
+class Sizes:
+    device: str
+    dtype: torch.dtype
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    block_size: int
+    decode_batch: int
+    decode_ctx: int
+    long_ctx: int
+    prefill_q: tuple  # (min, max) new tokens per sequence
+    prefill_prefix: tuple  # (min, max) cached prefix
+    prefill_seqs: int
+    budget_blocks: int  # n; a full-budget request holds n + 1 blocks
+    window: int
+    layers: int
+    keep_rows: tuple  # row lengths of the keep_indices checks
+    gqa_sweep: tuple  # (group, head_dim) of the decode/prefill sweep
+    sweep_batch: int
+    sweep_ctx: int
+    parity_new_tokens: int
+
+
+FULL = Sizes(device="cuda", dtype=torch.bfloat16, kv_heads=8, q_heads=32, head_dim=128, block_size=256,
+             decode_batch=256, decode_ctx=2048, long_ctx=32768, prefill_q=(512, 2048), prefill_prefix=(0, 1024),
+             prefill_seqs=8, budget_blocks=8, window=16, layers=36, keep_rows=(2304, 8192, 32768),
+             gqa_sweep=((1, 128), (2, 64), (4, 128), (8, 128), (4, 64)), sweep_batch=16, sweep_ctx=1500,
+             parity_new_tokens=40)
+SMOKE = Sizes(device="cpu", dtype=torch.float32, kv_heads=2, q_heads=8, head_dim=64, block_size=16,
+              decode_batch=3, decode_ctx=96, long_ctx=320, prefill_q=(16, 48), prefill_prefix=(0, 40),
+              prefill_seqs=3, budget_blocks=4, window=8, layers=2, keep_rows=(80, 300),
+              gqa_sweep=((2, 64),), sweep_batch=2, sweep_ctx=60, parity_new_tokens=6)
+
+NAMES = triton_ops.NAMES
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.double(), expected.double()
+    denom = expected.norm().item()
+    diff = (out - expected).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, device) -> float:
+    """Median milliseconds (do_bench on CUDA; one timed call after one warm-up elsewhere)."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+@contextlib.contextmanager
+def kernel_path(which: str, device):
+    """Route every `kernels.<name>` call through one implementation.
+
+    which="triton" on CUDA: the real dispatch seam (the implementations triton_ops registered);
+    on the CPU (smoke) the module attributes are pointed at the Triton functions, which the
+    interpreter runs. which="reference": the PyTorch reference everywhere."""
+    saved_attrs = {name: getattr(kernels, name) for name in NAMES}
+    saved_impls = dict(kernels.TRITON_IMPLS)
+    try:
+        if which == "reference":
+            kernels.TRITON_IMPLS.clear()
+        elif torch.device(device).type == "cuda":
+            missing = [n for n in NAMES if n not in kernels.TRITON_IMPLS]
+            if missing:
+                raise RuntimeError(f"Triton implementations not registered: {missing}")
+        else:
+            for name in NAMES:
+                setattr(kernels, name, triton_ops.IMPLS[name])
+        yield
+    finally:
+        for name, fn in saved_attrs.items():
+            setattr(kernels, name, fn)
+        kernels.TRITON_IMPLS.clear()
+        kernels.TRITON_IMPLS.update(saved_impls)
+
+
+def randn(shape, gen, device, dtype=torch.float32):
+    """Random normal tensor made on the device (fast for GiB-sized caches), seeded from the CPU generator."""
+    device_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=gen)))
+    return torch.randn(shape, generator=device_gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, extra_cols=1, spare=4):
+    """Shuffled paged caches holding sequences of these lengths; tables -1 padded."""
+    counts = [max(1, -(-n // block_size)) for n in lens]
+    num_blocks = sum(counts) + spare
+    k_cache = randn((num_blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    v_cache = randn((num_blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), max(counts) + extra_cols), -1, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(counts):
+        tables[i, :c] = perm[used:used + c].int()
+        used += c
+    return k_cache, v_cache, tables.to(device)
+
+
+class Report:
+    def __init__(self):
+        self.checks: list[dict] = []
+        self.timings: list[dict] = []
+        self.sections: dict[str, dict] = {}
+
+    def check(self, name: str, metric: float, threshold: float, detail: str = "", exact: bool = False):
+        passed = (metric == 0) if exact else (math.isfinite(metric) and metric < threshold)
+        self.checks.append(dict(name=name, metric=metric, threshold=0.0 if exact else threshold,
+                                passed=bool(passed), detail=detail))
+        print(f"  {'PASS' if passed else 'FAIL'}  {name:44s} {metric:.3e}  {detail}", flush=True)
+
+    def fail(self, name: str, exc: BaseException):
+        tb = traceback.format_exc(limit=6)
+        self.checks.append(dict(name=name, metric=float("nan"), threshold=None, passed=False,
+                                detail=f"{type(exc).__name__}: {exc}", traceback=tb))
+        print(f"  FAIL  {name:44s} raised {type(exc).__name__}: {exc}", flush=True)
+
+    def attempt(self, name: str, fn, *args, **kwargs):
+        """Run one case; an exception is recorded as a failure of `name` and the caller goes on."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the script must go on
+            self.fail(name, exc)
+            return None
+
+    def time(self, name: str, ms: float, **extra):
+        row = dict(name=name, ms=ms, **extra)
+        self.timings.append(row)
+        more = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+        print(f"  {name:44s} {ms:9.3f} ms  {more}", flush=True)
+
+
+def guarded(report: Report, name: str):
+    """Decorator: run a check function, recording any exception as a failure of `name`."""
+    def wrap(fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the script must go on
+                report.fail(name, exc)
+            finally:
+                report.sections[name] = dict(seconds=round(time.perf_counter() - start, 2))
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return run
+    return wrap
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Kernel checks
+
+
+def check_cache_ops(report: Report, s: Sizes, gen):
+    from kernels import triton_cache
+
+    dev, dt = s.device, s.dtype
+    k_cache, v_cache, _ = make_paged([s.block_size * 8], s.block_size, s.kv_heads, s.head_dim, dt, dev, gen)
+    tokens = 3 * s.block_size // 2
+    slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=gen)[:tokens]
+    slots[::7] = -1
+    slots = slots.to(dev)
+    qkv = torch.randn(tokens, (s.q_heads + 2 * s.kv_heads) * s.head_dim, generator=gen).to(dev, dt)
+    kv = s.kv_heads * s.head_dim
+    key = qkv[:, s.q_heads * s.head_dim:s.q_heads * s.head_dim + kv].view(tokens, s.kv_heads, s.head_dim)
+    value = qkv[:, -kv:].view(tokens, s.kv_heads, s.head_dim)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, k_ref, v_ref, slots)
+    triton_cache.store_kv(key, value, k_cache, v_cache, slots)
+    diff = max((k_cache.float() - k_ref.float()).abs().max().item(), (v_cache.float() - v_ref.float()).abs().max().item())
+    report.check("store_kv", diff, 0, f"{tokens} tokens, strided K/V views", exact=True)
+
+    rows = 4 * s.window
+    qcache = torch.randn(2, rows, s.q_heads, s.head_dim, generator=gen).to(dev, dt)[1]
+    query = torch.randn(tokens, s.q_heads, s.head_dim, generator=gen).to(dev, dt)
+    qslots = torch.full((tokens,), -1, dtype=torch.int64)
+    filled = min(rows, tokens)
+    qslots[:filled] = torch.randperm(rows, generator=gen)[:filled]
+    qslots = qslots[torch.randperm(tokens, generator=gen)].to(dev)
+    expected = qcache.clone()
+    ref.store_queries(query, expected, qslots)
+    triton_cache.store_queries(query, qcache, qslots)
+    report.check("store_queries", (qcache.float() - expected.float()).abs().max().item(), 0, exact=True)
+
+    # Compaction of a full-budget request into blocks it already holds (sources overlap targets).
+    n = s.budget_blocks
+    kv_len, keep = (n + 1) * s.block_size, n * s.block_size
+    k_cache, v_cache, tables = make_paged([kv_len], s.block_size, s.kv_heads, s.head_dim, dt, dev, gen, extra_cols=0)
+    table = tables[0].long()
+    score_cache = torch.randn(k_cache.shape[0] * s.block_size, s.kv_heads, generator=gen).to(dev)
+    token_slots = (table[:, None] * s.block_size + torch.arange(s.block_size, device=dev)[None, :]).flatten()
+    keep_idx = ref.keep_indices(torch.randn(s.kv_heads, kv_len, generator=gen).to(dev), keep)
+    src = token_slots[keep_idx]
+    dst = token_slots[:keep].clone()
+    kept_scores = torch.randn(s.kv_heads, keep, generator=gen).to(dev)
+    expected = [k_cache.clone(), v_cache.clone(), score_cache.clone()]
+    ref.compact_kv(*expected, src, dst, kept_scores)
+    triton_cache.compact_kv(k_cache, v_cache, score_cache, src, dst, kept_scores)
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip((k_cache, v_cache, score_cache), expected))
+    report.check("compact_kv (overlapping)", diff, 0, f"{kv_len} -> {keep} tokens x {s.kv_heads} heads", exact=True)
+
+
+def _decode_case(report, name, s, lens, group, head_dim, dtype, gen, tol, ways=None, min_partition=None,
+                 extra_cols=1):
+    from kernels import triton_attention
+
+    dev = s.device
+    kv_heads = s.kv_heads
+    k_cache, v_cache, tables = make_paged(lens, s.block_size, kv_heads, head_dim, dtype, dev, gen, extra_cols=extra_cols)
+    query = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dev, dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    scale = head_dim ** -0.5
+    out = triton_attention.paged_decode_attention_impl(query, k_cache, v_cache, tables, context_lens, scale,
+                                                       num_partitions=ways, min_partition=min_partition)
+    expected = ref.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context_lens, scale)
+    width = tables.shape[1]
+    splits = ways or triton_attention.decode_num_partitions(len(lens), kv_heads, width, s.block_size, query.device)
+    report.check(name, rel_err(out, expected), tol,
+                 f"B={len(lens)} Hq={kv_heads * group} Hkv={kv_heads} D={head_dim} max_ctx={max(lens)} splits={splits}")
+
+
+def check_decode(report: Report, s: Sizes, gen):
+    g = s.q_heads // s.kv_heads
+    tol = BF16_TOL if s.dtype != torch.float32 else FP32_TOL
+    lens = torch.randint(1, s.decode_ctx + 1, (s.decode_batch,), generator=gen)
+    lens[::4] = s.decode_ctx
+    ragged = [1, 2, s.block_size - 1, s.block_size, s.block_size + 1, s.long_ctx // 4 + 3, s.long_ctx // 8]
+    cases = [
+        (f"decode B{s.decode_batch} ctx<={s.decode_ctx}", lens.tolist(), g, s.head_dim, s.dtype, tol, {}),
+        (f"decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx], g, s.head_dim, s.dtype, tol, {}),
+        ("decode ragged, -1 padded (split-K)", ragged, g, s.head_dim, s.dtype, tol, dict(extra_cols=3)),
+        ("decode forced 6-way split, 64-token partitions", ragged[:4], g, s.head_dim, s.dtype, tol,
+         dict(ways=6, min_partition=64)),
+        ("decode fp32 (IEEE dot)", ragged, g, s.head_dim, torch.float32, FP32_TOL, {}),
+    ]
+    for group, head_dim in s.gqa_sweep:
+        sweep = torch.randint(1, s.sweep_ctx + 1, (s.sweep_batch,), generator=gen).tolist()
+        cases.append((f"decode GQA {group} D{head_dim}", sweep, group, head_dim, s.dtype, tol, {}))
+    for name, case_lens, group, head_dim, dtype, case_tol, kw in cases:
+        report.attempt(name, _decode_case, report, name, s, case_lens, group, head_dim, dtype, gen, case_tol, **kw)
+
+
+def _prefill_case(report, name, s, q_lens, prefixes, group, head_dim, dtype, gen, tol):
+    from kernels import triton_attention
+
+    dev = s.device
+    lens = [q + p for q, p in zip(q_lens, prefixes)]
+    k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, head_dim, dtype, dev, gen)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    query = torch.randn(sum(q_lens), s.kv_heads * group, head_dim, generator=gen).to(dev, dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    scale = head_dim ** -0.5
+    out = triton_attention.prefill_attention(query, k_cache, v_cache, tables, cu, context_lens, scale)
+    expected = ref.prefill_attention(query.float(), k_cache.float(), v_cache.float(), tables, cu, context_lens, scale)
+    report.check(name, rel_err(out, expected), tol,
+                 f"{len(q_lens)} seqs, {sum(q_lens)} new tokens, prefixes {min(prefixes)}..{max(prefixes)}")
+
+
+def check_prefill(report: Report, s: Sizes, gen):
+    g = s.q_heads // s.kv_heads
+    tol = BF16_TOL if s.dtype != torch.float32 else FP32_TOL
+    q_lens = torch.randint(s.prefill_q[0], s.prefill_q[1] + 1, (s.prefill_seqs,), generator=gen).tolist()
+    prefixes = torch.randint(s.prefill_prefix[0], s.prefill_prefix[1] + 1, (s.prefill_seqs,), generator=gen).tolist()
+    prefixes[0] = 0
+    cases = [
+        (f"prefill {s.prefill_seqs} seqs, cached prefixes", q_lens, prefixes, g, s.head_dim, s.dtype, tol),
+        ("prefill fp32 (IEEE dot)", [q // 4 + 1 for q in q_lens[:3]], prefixes[:3], g, s.head_dim, torch.float32,
+         FP32_TOL),
+    ]
+    for group, head_dim in s.gqa_sweep:
+        cases.append((f"prefill GQA {group} D{head_dim}", [s.sweep_ctx // 2, 1, 37], [0, s.sweep_ctx, 5],
+                      group, head_dim, s.dtype, tol))
+    for name, ql, pf, group, head_dim, dtype, case_tol in cases:
+        report.attempt(name, _prefill_case, report, name, s, ql, pf, group, head_dim, dtype, gen, case_tol)
+
+
+def _reference_sums(keys, block, threshold):
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    if block is None:
+        return ref._redundancy_sums(unit, threshold)
+    heads, tokens, dim = unit.shape
+    padded = torch.nn.functional.pad(unit, (0, 0, 0, -tokens % block))
+    return ref._redundancy_sums(padded.reshape(-1, block, dim), threshold).reshape(heads, -1)[:, :tokens]
+
+
+def check_scores(report: Report, s: Sizes, gen):
+    from kernels import triton_scores
+
+    dev, dt = s.device, s.dtype
+    tol = BF16_TOL if dt != torch.float32 else FP32_TOL
+    kv_len = (s.budget_blocks + 1) * s.block_size
+    k_cache, _, tables = make_paged([kv_len], s.block_size, s.kv_heads, s.head_dim, dt, dev, gen, extra_cols=0)
+    table = tables[0].long()
+    queries = torch.randn(s.window, s.q_heads, s.head_dim, generator=gen).to(dev, dt)
+    scale = s.head_dim ** -0.5
+    expected = ref.window_attention_score(queries.float(), k_cache.float(), table, kv_len, scale)
+
+    def window():
+        out = triton_scores.window_attention_score(queries, k_cache, table, kv_len, scale)
+        report.check("window_attention_score", rel_err(out, expected), tol, f"w={s.window} kv_len={kv_len}")
+
+    def pool_and_merge():
+        pooled = triton_scores.pool_scores(expected, 5)
+        report.check("pool_scores", (pooled - ref.pool_scores(expected, 5)).abs().max().item(), 0, exact=True)
+        previous = torch.rand(kv_len, s.kv_heads, generator=gen).to(dev).t()
+        merged = triton_scores.global_score_merge(expected, previous, kv_len - s.block_size, 0.8)
+        diff = (merged - ref.global_score_merge(expected, previous, kv_len - s.block_size, 0.8)).abs().max().item()
+        report.check("global_score_merge", diff, 0, exact=True)
+
+    keys = ref.gather_kv(k_cache, table, kv_len).transpose(0, 1)  # [Hkv, T, D] strided, as the compressor
+    keys[:, 10:20] = keys[:, :10] + 0.3 * keys[:, 30:40]  # some near-duplicates
+
+    def redundancy(block, label):
+        # The softmax over T of sums / (T * temperature) is close to uniform, so the row sums are the
+        # sensitive quantity: check both.
+        sums = triton_scores.redundancy_sums(keys, block, 0.5)
+        report.check(f"redundancy sums {label}", rel_err(sums, _reference_sums(keys, block, 0.5)), tol,
+                     f"T={kv_len} range {sums.min().item():.3g}..{sums.max().item():.3g}")
+        got = triton_scores.redundancy_score(keys, block, 0.5, 0.4)
+        report.check(f"redundancy_score {label}", rel_err(got, ref.redundancy_score(keys.float(), block, 0.5, 0.4)), tol)
+
+    def keep(tokens):
+        count = min(s.budget_blocks * s.block_size, tokens - 1)
+        scores = torch.randn(s.kv_heads, tokens, generator=gen).to(dev)
+        scores[:, -s.window:] = float("inf")
+        got = triton_scores.keep_indices(scores, count)
+        mismatch = (got != ref.keep_indices(scores, count)).sum().item()
+        report.check(f"keep_indices T={tokens} keep={count}", float(mismatch), 0, "mismatched indices", exact=True)
+
+    report.attempt("window_attention_score", window)
+    report.attempt("pool_scores / global_score_merge", pool_and_merge)
+    report.attempt("redundancy raw", redundancy, None, "raw")
+    report.attempt("redundancy lightning", redundancy, s.block_size, "lightning")
+    for tokens in s.keep_rows:
+        report.attempt(f"keep_indices T={tokens}", keep, tokens)
+
+
+def _fake_runner(s: Sizes, gen, num_blocks: int):
+    dev = torch.device(s.device)
+    kv = randn((s.layers, 2, num_blocks, s.block_size, s.kv_heads, s.head_dim), gen, dev, s.dtype)
+    return SimpleNamespace(
+        device=dev, num_layers=s.layers, head_dim=s.head_dim, kv_cache=kv,
+        query_cache=torch.randn(s.layers, 2 * s.window, s.q_heads, s.head_dim, generator=gen).to(dev, s.dtype),
+        score_cache=torch.rand(s.layers, num_blocks * s.block_size, s.kv_heads, generator=gen).to(dev))
+
+
+def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):
+    from engine.compressor import CompressionJob
+
+    n = s.budget_blocks
+    table = torch.randperm(num_blocks, generator=gen)[:n + 1].tolist()
+    extra = {}
+    if "ready" in {f.name for f in dataclasses.fields(CompressionJob)} and torch.device(s.device).type == "cuda":
+        extra["ready"] = torch.cuda.Event()  # the compression stream waits for the KV writes (all done here)
+        extra["ready"].record()
+    return CompressionJob(seq=SimpleNamespace(query_slot=1), kv_len=(n + 1) * s.block_size, source_table=table,
+                          targets=table[:n], decode_block=table[n], release=[], first=first,
+                          num_scored=0 if first else n * s.block_size, **extra)
+
+
+def _compressor(s: Sizes, runner):
+    from engine.compressor import Compressor
+    from engine.config import EngineConfig
+
+    config = EngineConfig(model="random:qwen3-tiny", compression=True, block_size=s.block_size,
+                          max_cache_blocks_per_seq=s.budget_blocks, window=s.window)
+    return Compressor(config, runner, blocks=None, block_size=s.block_size)
+
+
+def check_compression_pipeline(report: Report, s: Sizes, gen):
+    """engine.compressor end to end on a full-budget request: Triton vs reference keep sets per layer
+    and head (they may differ only where bf16 scores tie), and the compacted caches."""
+    num_blocks = s.budget_blocks + 4
+    base = _fake_runner(s, gen, num_blocks)
+    for first in (True, False):
+        job_gen_seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+        results = {}
+        for which in ("triton", "reference"):
+            runner = SimpleNamespace(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                        for k, v in vars(base).items()})
+            compressor = _compressor(s, runner)
+            job = _compression_job(s, torch.Generator().manual_seed(job_gen_seed), num_blocks, first)
+            keeps = []
+            with kernel_path(which, s.device):
+                original = kernels.keep_indices
+
+                def recording(scores, keep, _orig=original):
+                    out = _orig(scores, keep)
+                    keeps.append(out.clone())
+                    return out
+
+                kernels.keep_indices = recording
+                try:
+                    compressor.execute(job)
+                finally:
+                    kernels.keep_indices = original
+            sync(s.device)
+            results[which] = (keeps, runner, job)
+        keeps_t, runner_t, job = results["triton"]
+        keeps_r, runner_r, _ = results["reference"]
+        overlap = []
+        for a, b in zip(keeps_t, keeps_r):
+            for row_a, row_b in zip(a, b):
+                overlap.append(len(set(row_a.tolist()) & set(row_b.tolist())) / row_a.numel())
+        mean_overlap = sum(overlap) / max(1, len(overlap))
+        # Target blocks hold the same entries wherever the keep sets agree exactly.
+        targets = torch.tensor(job.targets, device=runner_t.kv_cache.device)
+        same_rows = 0
+        total_rows = 0
+        for layer in range(s.layers):
+            for h in range(s.kv_heads):
+                if torch.equal(keeps_t[layer][h], keeps_r[layer][h]):
+                    total_rows += 1
+                    same_rows += int(torch.equal(runner_t.kv_cache[layer, :, targets, :, h],
+                                                 runner_r.kv_cache[layer, :, targets, :, h]))
+        label = "first (pooling)" if first else "later (global score)"
+        report.check(f"compression pipeline {label}: keep-set gap", 1.0 - mean_overlap, 0.02,
+                     f"{len(keeps_t)} layers, mean overlap {mean_overlap:.4f}, "
+                     f"identical sets -> identical blocks {same_rows}/{total_rows}")
+        if same_rows != total_rows:
+            report.checks[-1]["passed"] = False
+
+
+def check_cuda_graph(report: Report, s: Sizes, gen):
+    """Decode attention captured in a CUDA graph, replayed on new inputs, equals eager."""
+    from kernels import triton_attention
+
+    if torch.device(s.device).type != "cuda":
+        report.checks.append(dict(name="decode in CUDA graph", metric=0.0, threshold=0.0, passed=True,
+                                  detail="skipped (no CUDA)"))
+        return
+    wide = s.long_ctx // s.block_size  # tables as wide as the engine's graphs (max_model_len / block)
+    for batch in (4, s.decode_batch):  # split-K path and single-pass path
+        lens = [s.decode_ctx] * batch
+        k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, s.head_dim, s.dtype, s.device, gen,
+                                              extra_cols=max(0, wide - s.decode_ctx // s.block_size))
+        query = torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype)
+        context_lens = torch.tensor(lens, dtype=torch.int32, device=s.device)
+        scale = s.head_dim ** -0.5
+
+        def call():
+            return triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = call()
+        # New contents in the same tensors: other lengths, other tables, other queries.
+        new_lens = torch.randint(1, s.decode_ctx + 1, (batch,), generator=gen)
+        context_lens.copy_(new_lens.to(context_lens.device, torch.int32))
+        tables.copy_(tables[torch.randperm(batch, generator=gen).to(tables.device)])
+        query.copy_(torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = call()
+        expected = ref.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context_lens, scale)
+        report.check(f"decode in CUDA graph B{batch} (replay == eager)", (static_out.float() - eager.float()).abs().max().item(),
+                     0, exact=True)
+        report.check(f"decode in CUDA graph B{batch} vs reference", rel_err(static_out, expected), BF16_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Engine parity
+
+
+def _build_tiny_hf(family: str, folder: Path, seed: int):
+    """A random transformers model from the preset's config (initializer_range raised so greedy output
+    varies), saved as an HF folder with the preset's byte tokenizer. Returns the fp32 model."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import resolve_model
+
+    source = resolve_model(f"random:{family}")
+    config = source.hf_config
+    config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=g))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=g))
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    source.tokenizer.save_pretrained(folder)
+    return model
+
+
+@torch.no_grad()
+def _hf_generate(model, prompt_ids, new_tokens: int, device) -> list[int]:
+    """transformers' greedy generate, EOS disabled (the engine runs with ignore_eos)."""
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None  # no early stop, no EOS-dependent processors
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None,
+                              pad_token_id=0, num_beams=1)
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def check_engine_parity(report: Report, s: Sizes, new_tokens: int | None = None) -> None:
+    """Greedy tokens of the engine built with LLM(dir, device="cuda", dtype="float32", compression=False,
+    enforce_eager=True) (Triton kernels through the dispatch seam) against transformers' generate on the
+    same device, for tiny random Llama, Qwen2 and Qwen3 models. Block size 16 so prompts span several
+    blocks; prompts of several lengths in one batch (ragged prefill and decode). On CUDA the Qwen3 model
+    also runs with CUDA graphs (enforce_eager=False), which replays the captured Triton decode."""
+    from engine import LLM, SamplingParams
+
+    device = s.device
+    new_tokens = new_tokens or s.parity_new_tokens
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 23, 41, 70] if device == "cuda" else [5, 19]
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, family in enumerate(("llama-tiny", "qwen2-tiny", "qwen3-tiny")):
+            try:
+                folder = Path(tmp) / family
+                hf = _build_tiny_hf(family, folder, seed=i).to(device)
+                expected = [_hf_generate(hf, prompt, new_tokens, device) for prompt in prompts]
+                del hf
+            except Exception as exc:  # noqa: BLE001
+                report.fail(f"engine parity {family}", exc)
+                continue
+            variants = [("", dict(enforce_eager=True))]
+            if device == "cuda" and family == "qwen3-tiny":
+                variants.append((" (CUDA graphs)", dict(enforce_eager=False, max_num_seqs=8)))
+            for suffix, knobs in variants:
+                name = f"engine parity {family}{suffix}"
+                try:
+                    with kernel_path("triton", device):
+                        llm = LLM(str(folder), device=device, dtype="float32", compression=False,
+                                  block_size=16, num_kv_blocks=256, **knobs)
+                        try:
+                            graphs = getattr(llm.engine.runner, "graphs", None) is not None
+                            outs = llm.generate(prompts, params)
+                        finally:
+                            llm.close()
+                    mismatched, first_diff = 0, []
+                    for out, want in zip(outs, expected):
+                        if out.token_ids != want:
+                            mismatched += 1
+                            first_diff.append(next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b),
+                                                   min(len(out.token_ids), len(want))))
+                    distinct = len({tuple(o.token_ids) for o in outs})
+                    report.check(name, float(mismatched), 0,
+                                 f"{len(prompts)} prompts x {new_tokens} tokens; distinct outputs {distinct}; "
+                                 f"graphs {graphs}" + (f"; first divergence at {first_diff}" if first_diff else ""),
+                                 exact=True)
+                    if suffix and not graphs:
+                        report.checks[-1]["passed"] = False
+                        report.checks[-1]["detail"] += " (no CUDA graphs were captured)"
+                except Exception as exc:  # noqa: BLE001
+                    report.fail(name, exc)
+
+
+def check_engine_compression(report: Report, s: Sizes) -> None:
+    """The engine with compression on (tiny Qwen3, block 16, budget 4 blocks, window 8) on the device:
+    Triton path vs reference path, fp32, synchronous compression; tokens should agree."""
+    from engine import LLM, SamplingParams
+
+    device = s.device
+    new_tokens = 150 if device == "cuda" else 40
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (9, 30, 70, 100)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=3)
+        runs = {}
+        for which in ("triton", "reference"):
+            with kernel_path(which, device):
+                llm = LLM(str(folder), device=device, dtype="float32", compression=True, enforce_eager=True,
+                          block_size=16, window=8, max_cache_blocks_per_seq=4, num_kv_blocks=256,
+                          async_compress=False)
+                try:
+                    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+                    compressions = llm.engine.totals.get("compressions", 0)
+                finally:
+                    llm.close()
+            runs[which] = ([o.token_ids for o in outs], compressions)
+        (tri, n_tri), (refs, n_ref) = runs["triton"], runs["reference"]
+        agree = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(tri, refs)) / sum(len(y) for y in refs)
+        lengths_ok = all(len(x) == new_tokens for x in tri)
+        report.check("engine with compression: Triton vs reference", 1.0 - agree, 0.1,
+                     f"token agreement {agree:.3f}; compressions {n_tri} vs {n_ref}; full length {lengths_ok}")
+        if not lengths_ok or n_tri == 0:
+            report.checks[-1]["passed"] = False
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Timings
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    n = 1 << 30  # 1 GiB per buffer
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def time_kernels(report: Report, s: Sizes, gen):
+    from kernels import triton_attention
+
+    dev = s.device
+    bw = copy_bandwidth(dev)
+    report.time("device-to-device copy (1 GiB)", 2 * (1 << 30) / bw * 1e3 if bw == bw else float("nan"),
+                GBps=bw / 1e9)
+    report.sections["copy_bandwidth_GBps"] = bw / 1e9
+    scale = s.head_dim ** -0.5
+    elem = torch.finfo(s.dtype).bits // 8
+    wide = s.long_ctx // s.block_size
+    budget_ctx = (s.budget_blocks + 1) * s.block_size
+    # (batch, context, table width): a full batch; one long request (split-K); a few compressed
+    # requests in a table as wide as the engine's CUDA graphs use (split by their own length).
+    for batch, ctx, width in ((s.decode_batch, s.decode_ctx, s.decode_ctx // s.block_size), (1, s.long_ctx, wide),
+                              (16, budget_ctx, wide)):
+        lens = [ctx] * batch
+        k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, s.head_dim, s.dtype, dev, gen,
+                                              extra_cols=max(0, width - -(-ctx // s.block_size)))
+        query = torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(dev, s.dtype)
+        context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        ms = bench_ms(lambda: triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale), dev)
+        kv_bytes = 2 * batch * ctx * s.kv_heads * s.head_dim * elem
+        achieved = kv_bytes / (ms * 1e-3)
+        ways = triton_attention.decode_num_partitions(batch, s.kv_heads, tables.shape[1], s.block_size, query.device)
+        report.time(f"decode attention B{batch} x {ctx} (table {tables.shape[1]} blocks)", ms, GBps=achieved / 1e9,
+                    of_copy_bw=achieved / bw if bw == bw else float("nan"), KV_MB=kv_bytes / 1e6,
+                    partitions=ways)
+        if batch == s.decode_batch and torch.device(dev).type == "cuda":
+            ref_ms = bench_ms(lambda: ref.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale), dev)
+            report.time(f"  reference decode B{batch} x {ctx} (torch)", ref_ms)
+        del k_cache, v_cache
+
+    q_lens = [s.prefill_q[1]] * s.prefill_seqs
+    prefixes = [s.prefill_prefix[1]] * s.prefill_seqs
+    lens = [q + p for q, p in zip(q_lens, prefixes)]
+    k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, s.head_dim, s.dtype, dev, gen)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    query = torch.randn(sum(q_lens), s.q_heads, s.head_dim, generator=gen).to(dev, s.dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ms = bench_ms(lambda: triton_attention.prefill_attention(query, k_cache, v_cache, tables, cu, context_lens, scale), dev)
+    flops = sum(4 * q * (p + (q + 1) / 2) * s.q_heads * s.head_dim for q, p in zip(q_lens, prefixes))
+    report.time(f"prefill attention {s.prefill_seqs} x ({prefixes[0]} cached + {q_lens[0]} new)", ms,
+                TFLOPs=flops / (ms * 1e-3) / 1e12)
+    del k_cache, v_cache
+
+
+def time_compression(report: Report, s: Sizes, gen):
+    """One full compression of a full-budget request ((n+1) blocks -> n) over every layer: window
+    scores, pooling, global merge, lightning redundancy, keep set and compaction (engine.compressor)."""
+    num_blocks = s.budget_blocks + 4
+    runner = _fake_runner(s, gen, num_blocks)
+    compressor = _compressor(s, runner)
+    job = _compression_job(s, gen, num_blocks, first=True)
+    label = f"{s.budget_blocks + 1}x{s.block_size} -> {s.budget_blocks} blocks, {s.layers} layers"
+    for which in ("triton", "reference"):
+        with kernel_path(which, s.device):
+            ms = bench_ms(lambda: compressor.execute(job), s.device)
+        report.time(f"compression ({which}) {label}", ms, per_layer_ms=ms / s.layers)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def env_info(s: Sizes) -> dict:
+    info = dict(python=platform.python_version(), torch=torch.__version__, interpret=os.environ.get("TRITON_INTERPRET"),
+                registered=list(triton_ops.REGISTERED), import_error=repr(triton_ops.IMPORT_ERROR))
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        info["triton"] = f"unavailable: {exc}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sms=props.multi_processor_count, memory_GiB=round(props.total_memory / 2**30, 1),
+                    capability=f"{props.major}.{props.minor}")
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for gpu_check.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                        "cache,decode,prefill,scores,pipeline,graph,parity,compression_engine,timing")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="start no new section after this many seconds (default 400)")
+    args = parser.parse_args(argv)
+    s = SMOKE if args.smoke else FULL
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.smoke and not torch.cuda.is_available():
+        print("CUDA is not available: run with --smoke on a CPU", file=sys.stderr)
+        return 2
+    report = Report()
+    started = time.perf_counter()
+    info = env_info(s)
+    print(json.dumps(info, indent=1), flush=True)
+    if torch.cuda.is_available() and not args.smoke:
+        name = "Triton implementations registered for CUDA"
+        report.check(name, float(len(set(NAMES) - set(kernels.TRITON_IMPLS))), 0,
+                     f"{len(kernels.TRITON_IMPLS)}/{len(NAMES)}", exact=True)
+
+    sections = [
+        ("cache", "cache ops", check_cache_ops),
+        ("decode", "decode attention", check_decode),
+        ("prefill", "prefill attention", check_prefill),
+        ("scores", "scores and keep set", check_scores),
+        ("pipeline", "compression pipeline", check_compression_pipeline),
+        ("graph", "CUDA graph", check_cuda_graph),
+    ]
+    seed = iter(range(1, 1000))
+    plan = [(key, title, (lambda fn=fn: fn(report, s, torch.Generator().manual_seed(next(seed)))))
+            for key, title, fn in sections]
+    plan += [
+        ("parity", "engine parity (greedy, fp32) vs transformers", lambda: check_engine_parity(report, s)),
+        ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
+        ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
+        ("timing", "timings: compression (median ms)",
+         lambda: time_compression(report, s, torch.Generator().manual_seed(98))),
+    ]
+    for key, title, run in plan:
+        if key in skip:
+            continue
+        elapsed = time.perf_counter() - started
+        if elapsed > args.budget_s:
+            report.sections[f"section {title}"] = dict(skipped=f"time budget ({elapsed:.0f} s > {args.budget_s} s)")
+            print(f"\n== {title}: skipped, time budget spent", flush=True)
+            continue
+        print(f"\n== {title}", flush=True)
+        guarded(report, f"section {title}")(run)()
+
+    failed = [c for c in report.checks if not c["passed"]]
+    print(f"\n{'=' * 100}\n{'result':6s}  {'check':44s} {'metric':>10s}  detail")
+    for c in report.checks:
+        metric = c["metric"]
+        print(f"{'PASS' if c['passed'] else 'FAIL':6s}  {c['name']:44s} {metric:10.3e}  {c['detail'][:120]}")
+    total = time.perf_counter() - started
+    print(f"\n{len(report.checks) - len(failed)}/{len(report.checks)} checks passed in {total:.0f} s")
+    result = dict(env=info, smoke=args.smoke, seconds=round(total, 1), passed=not failed, checks=report.checks,
+                  timings=report.timings, sections=report.sections)
+    path = out_dir / "gpu_check.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {path}")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Triton attention kernels: paged decode attention (GQA, split-K) and variable-length causal
+prefill attention reading keys/values through the block table.
+
+Both have exactly the signatures and semantics of `kernels.reference`. Neither syncs with the host:
+every grid and loop bound comes from tensor shapes or from values loaded inside the kernel, so
+decode attention can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Decode: below this many (sequence, kv head) programs per SM we split long contexts (split-K).
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MIN_PARTITION = 256  # tokens: no partition is shorter (a multiple of the key tile)
+REDUCE_CHUNK = 16  # partitions combined per step of the reduce kernel
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (a small fixed number off CUDA, e.g. the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get IEEE fp32 products (no TF32 rounding), so an fp32 engine matches the reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention
+
+
+@triton.jit
+def _partition_len(ctx, num_partitions, min_partition, BLOCK_N: tl.constexpr):
+    """Tokens per partition of a context of ctx entries split num_partitions ways."""
+    share = (ctx + num_partitions - 1) // num_partitions
+    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return tl.maximum(tl.maximum(share, min_partition), BLOCK_N)
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    scale_log2, table_width, num_partitions, min_partition,
+    s_qb, s_qh, s_qd,
+    s_kb, s_ko, s_kh, s_kd,
+    s_vb, s_vo, s_vh, s_vd,
+    s_tb, s_tn,
+    s_ob, s_oh, s_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (sequence, kv head, partition of the context): all GROUP query heads against every key
+    of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
+    otherwise the partition's running max, sum and unnormalised accumulator go to the reduce.
+
+    The number of partitions comes from shapes; their length from this sequence's own context
+    (an even share, rounded up to the key tile, at least min_partition), so a short context in a
+    wide table uses few partitions and a long one all of them; unused partitions write nothing
+    the reduce reads."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
+    start = part * partition
+    end = tl.minimum(start + partition, ctx)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    table_row = table_ptr + b.to(tl.int64) * s_tb
+    n = tl.arange(0, BLOCK_N)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + n
+        t_ok = t < end
+        if BLOCK_N <= BLOCK_SIZE:
+            # The tile lies inside one cache block: one table entry.
+            col = t0 // BLOCK_SIZE
+            blk = tl.load(table_row + col * s_tn, mask=col < table_width, other=-1)
+            t_ok = t_ok & (blk >= 0)
+            blk = tl.maximum(blk, 0).to(tl.int64)
+        else:
+            col = t // BLOCK_SIZE
+            blk = tl.load(table_row + col * s_tn, mask=t_ok & (col < table_width), other=-1)
+            t_ok = t_ok & (blk >= 0)
+            blk = tl.maximum(blk, 0).to(tl.int64)
+        off = t % BLOCK_SIZE
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    if SINGLE:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + d[None, :] * s_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        row = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part  # [G_PAD]
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, num_partitions, min_partition,
+    s_ob, s_oh, s_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Combine the partitions of one (sequence, query head); partitions past the context are skipped."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b)
+    partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
+    used = tl.minimum((ctx + partition - 1) // partition, num_partitions)
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_partitions
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    c = tl.arange(0, CHUNK)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for p0 in range(0, used, CHUNK):
+        p = p0 + c
+        p_ok = p < used
+        m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))
+        l = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
+        a = tl.load(acc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :],
+                    mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.exp2(m - m_safe)  # [CHUNK]
+        l_run = l_run * alpha + tl.sum(l * w, axis=0)
+        acc = acc * alpha + tl.sum(a * w[:, None], axis=0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _decode_tile(block_size: int) -> int:
+    """Keys per step of the decode loop. 64 for every block size: with smaller blocks a tile spans
+    several blocks (block ids gathered per token), with larger ones it stays inside one block."""
+    return 64
+
+
+def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
+                          device: torch.device) -> int:
+    """Split-K ways, from shapes only (graph safe): 1 when the (sequence, kv head) programs already
+    fill the GPU (about DECODE_PROGRAMS_PER_SM per SM), otherwise enough partitions to fill it,
+    never more than the table could hold at DECODE_MIN_PARTITION tokens each."""
+    programs = batch * kv_heads
+    target = DECODE_PROGRAMS_PER_SM * num_sms(device)
+    if programs >= target:
+        return 1
+    most = max(1, triton.cdiv(table_width * block_size, DECODE_MIN_PARTITION))
+    return max(1, min(triton.cdiv(target, programs), most))
+
+
+def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                num_partitions: int | None = None, min_partition: int | None = None,
+                                block_n: int | None = None):
+    """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
+    shortest partition in tokens (a multiple of the key tile) and the key tile."""
+    batch, q_heads, head_dim = query.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    out = torch.empty((batch, q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    table_width = block_tables.shape[1]
+    tile = block_n or _decode_tile(block_size)
+    if num_partitions is None:
+        num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
+    if min_partition is None:
+        min_partition = max(DECODE_MIN_PARTITION, tile)
+    assert min_partition % tile == 0, "partitions must be whole key tiles"
+    single = num_partitions == 1
+    if single:
+        m_buf = l_buf = acc_buf = out  # unused
+    else:
+        m_buf = torch.empty((batch, q_heads, num_partitions), dtype=torch.float32, device=query.device)
+        l_buf = torch.empty_like(m_buf)
+        acc_buf = torch.empty((batch, q_heads, num_partitions, head_dim), dtype=torch.float32, device=query.device)
+    d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
+    g_pad = max(16, next_pow2(group))
+    grid = (batch, kv_heads, num_partitions)
+    _decode_partition_kernel[grid](
+        query, k_cache, v_cache, block_tables, context_lens,
+        out, m_buf, l_buf, acc_buf,
+        float(scale) * LOG2E, table_width, num_partitions, min_partition,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=dot_precision(k_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if not single:
+        _decode_reduce_kernel[(batch, q_heads)](
+            m_buf, l_buf, acc_buf, context_lens, out, num_partitions, min_partition, *out.stride(),
+            HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=tile, CHUNK=REDUCE_CHUNK,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged context (see kernels.reference)."""
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill attention
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
+    scale_log2, num_seqs, table_width,
+    s_qt, s_qh, s_qd,
+    s_kb, s_ko, s_kh, s_kd,
+    s_vb, s_vo, s_vh, s_vd,
+    s_tb, s_tn,
+    s_ot, s_oh, s_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (query tile, query head). Tiles are numbered across sequences in order; each program
+    finds its sequence from cu_seqlens in-kernel (no host mapping). Surplus programs do nothing."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+
+    # Tiles per sequence and their running total -> this program's sequence.
+    sb = tl.arange(0, B_PAD)
+    sb_ok = sb < num_seqs
+    cu_lo = tl.load(cu_ptr + sb, mask=sb_ok, other=0)
+    cu_hi = tl.load(cu_ptr + sb + 1, mask=sb_ok, other=0)
+    tiles = tl.where(sb_ok, (cu_hi - cu_lo + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles_end = tl.cumsum(tiles, axis=0)
+    seq = tl.sum((sb_ok & (tiles_end <= tile)).to(tl.int32), axis=0)
+    active = seq < num_seqs
+    seq = tl.minimum(seq, num_seqs - 1)
+    first_tile = tl.sum(tl.where(sb == seq, tiles_end - tiles, 0), axis=0)
+    q_begin = tl.load(cu_ptr + seq)
+    num_q = tl.load(cu_ptr + seq + 1) - q_begin
+    ctx = tl.load(lens_ptr + seq)
+    i0 = (tile - first_tile) * BLOCK_M
+
+    i = i0 + tl.arange(0, BLOCK_M)
+    row_ok = (i < num_q) & active
+    q_pos = ctx - num_q + i  # KV index of each query
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    rows = (q_begin + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    kv_end = tl.minimum(ctx, ctx - num_q + i0 + BLOCK_M)
+    kv_end = tl.where(active, kv_end, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table_row = table_ptr + seq.to(tl.int64) * s_tb
+    n = tl.arange(0, BLOCK_N)
+    for t0 in range(0, kv_end, BLOCK_N):
+        t = t0 + n
+        t_ok = t < kv_end
+        if BLOCK_N <= BLOCK_SIZE:
+            col = t0 // BLOCK_SIZE
+            blk = tl.load(table_row + col * s_tn, mask=col < table_width, other=-1)
+        else:
+            col = t // BLOCK_SIZE
+            blk = tl.load(table_row + col * s_tn, mask=t_ok & (col < table_width), other=-1)
+        t_ok = t_ok & (blk >= 0)
+        blk = tl.maximum(blk, 0).to(tl.int64)
+        off = t % BLOCK_SIZE
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        allowed = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + d[None, :] * s_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                           block_m: int | None = None, block_n: int | None = None):
+    total, q_heads, head_dim = query.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty((total, q_heads, head_dim), dtype=query.dtype, device=query.device)
+    num_seqs = context_lens.shape[0]
+    if total == 0 or num_seqs == 0:
+        return out
+    d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
+    block_m = block_m or (64 if total >= 64 else 16)
+    block_n = block_n or (64 if d_pad <= 128 else 32)
+    # Sum over sequences of ceil(q_i / BLOCK_M) never exceeds this (a shape-only bound).
+    num_tiles = min(total, triton.cdiv(total, block_m) + num_seqs)
+    grid = (num_tiles, q_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * LOG2E, num_seqs, block_tables.shape[1],
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, B_PAD=max(64, next_pow2(num_seqs)),  # few variants
+        PREC=dot_precision(k_cache.dtype),
+        num_warps=4 if d_pad <= 64 else 8, num_stages=2,
+    )
+    return out
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Variable-length causal attention through the block table (see kernels.reference)."""
+    return prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+__all__ = ["paged_decode_attention", "prefill_attention", "paged_decode_attention_impl",
+           "prefill_attention_impl", "decode_num_partitions", "next_pow2", "num_sms", "dot_precision"]

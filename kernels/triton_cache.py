@@ -1,0 +1,166 @@
+"""Triton cache kernels: store K/V into slots, store queries into query-cache rows, and the parallel
+compaction of kept entries into target blocks (gather everything, then scatter: two launches)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_attention import next_pow2
+
+
+@triton.jit
+def _store_rows_kernel(
+    a_ptr, b_ptr, dst_a_ptr, dst_b_ptr, slot_ptr,
+    s_at, s_ah, s_ad, s_bt, s_bh, s_bd,
+    s_xb, s_xo, s_xh, s_xd, s_yb, s_yo, s_yh, s_yd,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TWO: tl.constexpr,
+):
+    """Row t of a (and of b when TWO) -> slot slot[t] of dst_a (dst_b); a negative slot is skipped.
+    A slot addresses (slot // BLOCK_SIZE, slot % BLOCK_SIZE) in the destination's first two dims."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = ok & (h < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    row = t.to(tl.int64)
+    x = tl.load(a_ptr + row * s_at + h[:, None] * s_ah + d[None, :] * s_ad, mask=mask)
+    tl.store(dst_a_ptr + blk * s_xb + off * s_xo + h[:, None] * s_xh + d[None, :] * s_xd,
+             x.to(dst_a_ptr.dtype.element_ty), mask=mask)
+    if TWO:
+        y = tl.load(b_ptr + row * s_bt + h[:, None] * s_bh + d[None, :] * s_bd, mask=mask)
+        tl.store(dst_b_ptr + blk * s_yb + off * s_yo + h[:, None] * s_yh + d[None, :] * s_yd,
+                 y.to(dst_b_ptr.dtype.element_ty), mask=mask)
+
+
+def _warps(elements: int) -> int:
+    return 8 if elements >= 4096 else 4
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped."""
+    tokens = key.shape[0]
+    if tokens == 0:
+        return
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    h_pad, d_pad = next_pow2(kv_heads), next_pow2(head_dim)
+    _store_rows_kernel[(tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=block_size, TWO=True,
+        num_warps=_warps(h_pad * d_pad),
+    )
+
+
+def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:
+    """Copy queries [tokens, q_heads, head_dim] into query-cache rows [rows, q_heads, head_dim]; -1 skips."""
+    tokens = query.shape[0]
+    if tokens == 0:
+        return
+    q_heads, head_dim = query_cache.shape[1:]
+    h_pad, d_pad = next_pow2(q_heads), next_pow2(head_dim)
+    row_stride = query_cache.stride(0)
+    _store_rows_kernel[(tokens,)](
+        query, query, query_cache, query_cache, query_slot_mapping,
+        *query.stride(), *query.stride(),
+        row_stride, 0, *query_cache.stride()[1:], row_stride, 0, *query_cache.stride()[1:],
+        HEADS=q_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=1, TWO=False,
+        num_warps=_warps(h_pad * d_pad),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Compaction
+
+
+@triton.jit
+def _compact_gather_kernel(
+    k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, keep,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous)."""
+    h = tl.program_id(1)
+    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    j_ok = j < keep
+    src = tl.load(src_ptr + h * s_sh + j.to(tl.int64) * s_sj, mask=j_ok, other=-1).to(tl.int64)
+    ok = j_ok & (src >= 0)
+    src = tl.maximum(src, 0)
+    blk = src // BLOCK_SIZE
+    off = src % BLOCK_SIZE
+    d = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+    tmp = (j.to(tl.int64) * KV_HEADS + h)[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + h * s_kh + d[None, :] * s_kd, mask=mask)
+    tl.store(tmp_k_ptr + tmp, k, mask=mask)
+    v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + h * s_vh + d[None, :] * s_vd, mask=mask)
+    tl.store(tmp_v_ptr + tmp, v, mask=mask)
+
+
+@triton.jit
+def _compact_scatter_kernel(
+    k_ptr, v_ptr, dst_ptr, tmp_k_ptr, tmp_v_ptr, score_ptr, kept_ptr, keep,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_dj, s_sc_slot, s_sc_h, s_kp_h, s_kp_j,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SCORES: tl.constexpr,
+):
+    """tmp[j, h, :] -> slot dst[j] of head h; and the kept score of (h, j) into the score cache."""
+    h = tl.program_id(1)
+    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    j_ok = j < keep
+    dst = tl.load(dst_ptr + j.to(tl.int64) * s_dj, mask=j_ok, other=-1).to(tl.int64)
+    ok = j_ok & (dst >= 0)
+    dst = tl.maximum(dst, 0)
+    blk = dst // BLOCK_SIZE
+    off = dst % BLOCK_SIZE
+    d = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+    tmp = (j.to(tl.int64) * KV_HEADS + h)[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(tmp_k_ptr + tmp, mask=mask)
+    tl.store(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + h * s_kh + d[None, :] * s_kd, k, mask=mask)
+    v = tl.load(tmp_v_ptr + tmp, mask=mask)
+    tl.store(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + h * s_vh + d[None, :] * s_vd, v, mask=mask)
+    if HAS_SCORES:
+        sc = tl.load(kept_ptr + h * s_kp_h + j.to(tl.int64) * s_kp_j, mask=ok)
+        tl.store(score_ptr + dst * s_sc_slot + h * s_sc_h, sc.to(score_ptr.dtype.element_ty), mask=ok)
+
+
+def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None) -> None:
+    """Move the kept entries of every KV head into the target slots (see kernels.reference).
+    Sources may overlap targets: the first launch gathers every kept entry into a buffer, the
+    second (ordered after it on the stream) scatters them."""
+    kv_heads, keep = src_slots.shape
+    if keep == 0:
+        return
+    block_size, _, head_dim = k_cache.shape[1:]
+    d_pad = next_pow2(head_dim)
+    tmp_k = torch.empty((keep, kv_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
+    tmp_v = torch.empty((keep, kv_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
+    block_k = 64 if d_pad <= 128 else 32
+    grid = (triton.cdiv(keep, block_k), kv_heads)
+    _compact_gather_kernel[grid](
+        k_cache, v_cache, src_slots, tmp_k, tmp_v, keep,
+        *k_cache.stride(), *v_cache.stride(), *src_slots.stride(),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
+        num_warps=4,
+    )
+    has_scores = score_cache is not None and kept_scores is not None
+    score_arg = score_cache if has_scores else tmp_k
+    kept_arg = kept_scores if has_scores else tmp_k
+    sc_strides = score_cache.stride() if has_scores else (0, 0)
+    kp_strides = kept_scores.stride() if has_scores else (0, 0)
+    _compact_scatter_kernel[grid](
+        k_cache, v_cache, dst_slots, tmp_k, tmp_v, score_arg, kept_arg, keep,
+        *k_cache.stride(), *v_cache.stride(), dst_slots.stride(0), *sc_strides, *kp_strides,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
+        HAS_SCORES=has_scores, num_warps=4,
+    )

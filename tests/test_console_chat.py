@@ -1,0 +1,181 @@
+"""`zipage chat` driven headless (Textual pilot) against the real engine on a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.service import EngineThread
+from zipage_cli.chat import ChatApp, Message
+from zipage_cli.widgets import BlockTable, EventLog
+
+# Tiny blocks and budget so a short answer already gets compressed.
+KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    service = EngineThread("random:llama-tiny", **KNOBS)
+    yield service
+    service.close()
+
+
+async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition"):
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def type_line(pilot, text: str) -> None:
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+def replies(app: ChatApp, index: int) -> list[Message]:
+    session = list(app.sessions.values())[index]
+    return [m for m in app.transcript(session).query(Message) if m.has_class("msg-assistant")]
+
+
+def test_two_sessions_stream_concurrently_and_blocks_come_and_go(engine):
+    """Both prompts go in while the engine is paused, so the two answers surely overlap; then the
+    engine is stepped by hand, watching the first answer grow while the second streams too."""
+    async def run():
+        app = ChatApp(engine, sessions=2, temperature=1.0, max_tokens=300)
+        async with app.run_test(size=(140, 40)) as pilot:
+            first, second = app.sessions.values()
+            engine.pause()
+            try:
+                await type_line(pilot, "hello there")
+                await pilot.press("alt+right")
+                assert app.current is second
+                await type_line(pilot, "another question")
+                await wait_for(pilot, lambda: first.handle and second.handle, what="both submits")
+
+                engine.step_once()  # prefill: both requests now hold blocks
+                await wait_for(pilot, lambda: {r.session for r in app.query_one(BlockTable).requests}
+                               == {"chat-1", "chat-2"}, what="both requests in the block pane")
+                table = app.query_one(BlockTable)
+                for request in table.requests:
+                    assert len(request.block_table) == len(request.block_roles) > 0
+                assert "■" in str(table.render())
+
+                partial_texts, live_together = set(), 0
+                for _ in range(200):
+                    engine.step_once()
+                    await pilot.pause(0.06)  # let the workers draw
+                    partial_texts.add(replies(app, 0)[0].text)
+                    live_together += {r.session for r in engine.snapshot().requests} == {"chat-1", "chat-2"}
+                    if len(partial_texts) > 3 and live_together > 3:
+                        break
+                assert len(partial_texts) > 3, "the first answer should be drawn while it streams"
+                assert live_together > 3, "the two answers should stream at the same time"
+            finally:
+                engine.resume()
+
+            await wait_for(pilot, lambda: not first.busy and not second.busy, what="both answers")
+            for index, session in enumerate((first, second)):
+                reply = replies(app, index)[0]
+                assert session.conv.history[-1] == {"role": "assistant", "content": reply.text}
+
+            # Finished requests leave the block pane at the next refresh, and their blocks the pool.
+            await wait_for(pilot, lambda: not app.query_one(BlockTable).requests, what="blocks to vanish")
+            assert "no request holds blocks" in str(app.query_one(BlockTable).render())
+            kinds = {e.kind for e in app.query_one(EventLog).events}
+            assert {"admitted", "prefilled", "finished"} <= kinds
+
+    asyncio.run(run())
+
+
+def test_multi_turn_history_and_settings_commands(engine):
+    async def run():
+        app = ChatApp(engine, temperature=0.7, max_tokens=50)
+        async with app.run_test(size=(120, 36)) as pilot:
+            session = app.current
+            await type_line(pilot, "/temp 0")
+            await type_line(pilot, "/max 12")
+            assert (session.conv.temperature, session.conv.max_tokens) == (0.0, 12)
+            await type_line(pilot, "/temp hot")
+            assert session.conv.temperature == 0.0  # bad value rejected, setting kept
+            await type_line(pilot, "first")
+            await wait_for(pilot, lambda: not session.busy and len(session.conv.history) == 2)
+            await type_line(pilot, "second")
+            await wait_for(pilot, lambda: not session.busy and len(session.conv.history) == 4)
+            assert [m["role"] for m in session.conv.history] == ["user", "assistant"] * 2
+            assert session.conv.messages_for("third")[2] == {"role": "user", "content": "second"}
+
+    asyncio.run(run())
+
+
+def test_broadcast_and_session_keys(engine):
+    async def run():
+        app = ChatApp(engine, temperature=0.0, max_tokens=20)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.press("ctrl+n")
+            await pilot.press("ctrl+n")
+            assert len(app.sessions) == 3
+            await pilot.press(*"same for all")
+            await pilot.press("ctrl+b")
+            await wait_for(pilot, lambda: all(len(s.conv.history) == 2 and not s.busy
+                                              for s in app.sessions.values()), what="three answers")
+            answers = [s.conv.history[-1]["content"] for s in app.sessions.values()]
+            assert len(set(answers)) == 1  # greedy: one prompt, one answer, in every session
+            await pilot.press("ctrl+w")
+            assert len(app.sessions) == 2
+
+    asyncio.run(run())
+
+
+def test_stop_aborts_and_frees_every_block(engine):
+    async def run():
+        app = ChatApp(engine, temperature=1.0, max_tokens=1500)
+        async with app.run_test(size=(120, 36)) as pilot:
+            session = app.current
+            engine.pause()  # hold the answer mid-way, so Esc surely meets it running
+            try:
+                await type_line(pilot, "a long story please")
+                await wait_for(pilot, lambda: session.handle is not None, what="the submit")
+                for _ in range(5):
+                    engine.step_once()
+                assert engine.snapshot(fresh=True).pool.free < engine.snapshot().pool.total
+                await pilot.press("escape")
+                await wait_for(pilot, lambda: not session.busy, what="the stopped answer")
+            finally:
+                engine.resume()
+            meta = app.transcript(session).query(".msg-meta").last()
+            assert "stopped" in str(meta.render())
+            snap = engine.snapshot(fresh=True)
+            assert snap.requests == ()
+            assert snap.pool.free == snap.pool.total
+
+    asyncio.run(run())
+
+
+def test_theme_cycle_restyles_the_screen(engine):
+    async def run():
+        app = ChatApp(engine, theme_name="dark")
+        async with app.run_test(size=(100, 30)) as pilot:
+            def look():
+                pane = app.query_one("#blocks")
+                return app.screen.styles.background, pane.styles.background, pane.styles.border_top
+
+            seen = {app.theme_name: look()}
+            for _ in range(3):
+                await pilot.press("ctrl+t")
+                await pilot.pause()
+                seen.setdefault(app.theme_name, look())
+            assert list(seen) == ["dark", "light", "high-contrast"]
+            assert len({s[0] for s in seen.values()}) == 3, "each theme has its own background"
+            assert len({s[1:] for s in seen.values()}) == 3, "and its own pane colours"
+            assert app.theme_name == "dark"  # the cycle wraps around
+            assert look() == seen["dark"]
+
+    asyncio.run(run())
+
+
+def test_bad_theme_name_is_rejected(engine):
+    with pytest.raises(ValueError, match="unknown theme 'neon'.*dark, light, high-contrast"):
+        ChatApp(engine, theme_name="neon")

@@ -1,0 +1,138 @@
+"""The console commands as a user runs them: `zipage chat --plain` in a real pseudo-terminal and
+through a pipe, `zipage bench --json`, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from zipage_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "zipage_cli.main"]
+TINY = ["--model", "random:llama-tiny", "--device", "cpu", "--block-size", "16", "--window", "8"]
+
+
+def cli_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm-256color", COLUMNS="100", LINES="30")
+
+
+class Terminal:
+    """A child process on a pseudo-terminal that answers cursor-position queries like a terminal."""
+
+    def __init__(self, argv: list[str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.chdir(ROOT)
+            os.execve(argv[0], argv, cli_env())
+        self.output = b""
+
+    def expect(self, pattern: bytes, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while pattern not in self.output and time.monotonic() < end:
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if not ready:
+                continue
+            try:
+                data = os.read(self.fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            self.output += data
+            if b"\x1b[6n" in data:
+                os.write(self.fd, b"\x1b[1;1R")
+        return pattern in self.output
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None if the child is still running after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.expect(b"\x00never", 0.1)  # keep draining output so the child can exit
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = None
+                return os.waitstatus_to_exitcode(status)
+        return None
+
+    def close(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+def test_plain_chat_in_a_terminal_answers_on_the_default_model():
+    term = Terminal(CLI + ["chat", "--plain", "--temperature", "0", "--max-tokens", "16", "--device", "cpu",
+                           "--kv-cache-gb", "0.05"])
+    try:
+        assert term.expect(b"you> ", 120), term.output[-500:]
+        term.send(b"What is the capital of France?\r")
+        assert term.expect(b"Paris", 60), term.output[-500:]
+        assert term.expect(b"you> ", 30)  # ready for the next turn
+        term.send(b"/max 0\r")
+        assert term.expect(b"error: max_tokens=0", 10)
+        term.send(b"\x04")  # Ctrl+D leaves
+        assert term.wait(60) == 0
+    finally:
+        term.close()
+
+
+def test_plain_chat_reads_piped_lines():
+    lines = "/temp 0\n/max 8\nhello\n/bogus\nand again\n"
+    done = subprocess.run(CLI + ["chat"] + TINY, input=lines, capture_output=True, text=True, env=cli_env(),
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "temperature 0" in done.stderr and "max tokens 8" in done.stderr
+    assert "unknown command /bogus" in done.stderr
+    assert done.stdout.count("\n") == 2  # one line per answer
+
+
+def test_bench_json_has_all_three_modes(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(CLI + ["bench", "--mode", "zipage", "--mode", "fullkv", "--mode", "hf",
+                                 "--num-requests", "3", "--input-len", "12", "--output-len", "20",
+                                 "--max-cache-blocks-per-seq", "1", "--num-kv-blocks", "32", "--json", str(out)]
+                          + TINY, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert [r["mode"] for r in results["results"]] == ["zipage", "fullkv", "hf"]
+    for r in results["results"]:
+        assert r["output_tokens"] == 3 * 20
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+    assert results["results"][0]["ratio"] == 1.0
+    assert results["results"][0]["peak_concurrency"] == 3
+    assert "tok/s" in done.stdout and "vs zipage" in done.stdout
+
+
+def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--theme", "neon"])
+    assert result.exit_code == 2 and "unknown theme 'neon'" in result.output
+    result = runner.invoke(app, ["top", "--prompts", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2 and "not found" in result.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{oops}\n')
+    result = runner.invoke(app, ["top", "--prompts", str(bad)])
+    assert result.exit_code == 2 and "line 2: not valid JSON" in result.output
+    result = runner.invoke(app, ["bench", "--mode", "vllm"])
+    assert result.exit_code == 2 and "unknown mode 'vllm'" in result.output
+    result = runner.invoke(app, ["chat", "--model", "random:nope", "--plain"])
+    assert result.exit_code == 2 and "unknown random preset" in result.output
+
+
+def test_every_console_command_has_help_with_examples():
+    runner = CliRunner()
+    for command in ("chat", "top", "bench"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
+        assert result.exit_code == 0
+        assert "Examples" in result.output and f"zipage {command}" in result.output

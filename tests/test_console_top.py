@@ -1,0 +1,101 @@
+"""`zipage top`: the load generator, the prompts file, and teaching mode stepping the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engine.config import SamplingParams
+from engine.service import EngineThread
+from zipage_cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
+from zipage_cli.widgets import PoolMap
+
+KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=48)
+
+
+@pytest.fixture
+def engine():
+    service = EngineThread("random:llama-tiny", **KNOBS)
+    yield service
+    service.close()
+
+
+def load_for(engine, concurrency=3, input_len=8, output_len=200):
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    return LoadGenerator(engine, prompt_source(engine, None, input_len, seed=0), params, concurrency)
+
+
+def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
+    async def run():
+        app = TopApp(engine, load_for(engine), teach=True)
+        async with app.run_test(size=(150, 45)) as pilot:
+            await pilot.pause(0.5)
+            assert engine.paused
+            idle_step = engine.snapshot(fresh=True).step
+            await pilot.pause(0.5)
+            assert engine.snapshot(fresh=True).step == idle_step, "paused: no step without a key press"
+            assert len(engine.snapshot().requests) == 3  # the load is queued, waiting
+
+            notes = []
+            for _ in range(5):  # 8 prompt tokens + 4 output tokens: no compression yet
+                before = engine.snapshot(fresh=True).step
+                await pilot.press("space")
+                await app.workers.wait_for_complete()
+                await pilot.pause()
+                assert engine.snapshot(fresh=True).step == before + 1
+                notes.append(str(app.query_one("#explain").render()))
+            assert "prefill step" in notes[0] and "was admitted" in notes[0]
+            assert "decode step: 3 running request(s)" in notes[1]
+            assert "decoded one token" in notes[1] and "slot" in notes[1]
+
+            # Keep stepping until the selected request gets compressed, and see it explained.
+            for _ in range(80):
+                await pilot.press("n")
+                await app.workers.wait_for_complete()
+                await pilot.pause()
+                if "was compressed from" in str(app.query_one("#explain").render()):
+                    break
+            note = str(app.query_one("#explain").render())
+            assert "was compressed from 3 to 3 blocks" in note and "evicting" in note
+
+            await pilot.press("t")  # run freely again
+            assert not engine.paused
+            running_from = engine.snapshot(fresh=True).step
+            await pilot.pause(0.5)
+            assert engine.snapshot(fresh=True).step > running_from
+
+    asyncio.run(run())
+
+
+def test_live_monitor_draws_requests_and_the_pool(engine):
+    async def run():
+        app = TopApp(engine, load_for(engine, concurrency=4, input_len=20, output_len=1500))
+        async with app.run_test(size=(150, 45)) as pilot:
+            await pilot.pause(1.0)
+            assert app.load.submitted == 4
+            assert app.query_one("#requests").row_count == 4
+            pool = app.query_one(PoolMap)
+            assert pool.snapshot.pool.total == 48
+            owned = sum(len(r.block_table) for r in pool.snapshot.requests)
+            grid = str(pool.render()).split("◆ shared prefix")[0]  # the map, without its legend
+            assert sum(grid.count(g) for g in "■▣▶◆") == owned > 0
+            assert grid.count("·") == 48 - owned - grid.count("▪")
+
+    asyncio.run(run())
+
+
+def test_prompts_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n\n{"prompt": \n')
+    with pytest.raises(ValueError, match="line 3: not valid JSON"):
+        read_prompts(str(bad))
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match='line 1: expected an object with a non-empty string "prompt"'):
+        read_prompts(str(bad))
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(["a", "b"])) + "\n")
+    assert read_prompts(str(good)) == ["a", "b"]

@@ -1,0 +1,333 @@
+"""Every Triton kernel against its PyTorch reference (kernels.reference), run on the CPU with the
+Triton interpreter (TRITON_INTERPRET=1): ragged lengths, -1 padding, shuffled block tables, GQA
+ratios 1/2/4/8, head dims 16/64/128, block sizes 16 and 256. Inputs are float32 (the interpreter
+emulates bf16 poorly); the bf16 checks at real sizes run on the GPU (benchmarks/gpu_check.py).
+Shapes stay tiny: the interpreter executes every program instance in Python."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels import triton_ops  # noqa: E402
+
+triton_ops.patch_interpreter_for_numpy2()
+
+from kernels import triton_attention as tatt  # noqa: E402
+from kernels import triton_cache as tcache  # noqa: E402
+from kernels import triton_scores as tscores  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+KV_HEADS = 2
+
+
+def close(actual, expected, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def paged_cache(lens, block_size, kv_heads, head_dim, gen, spare_blocks=3, extra_cols=2, ahead=None):
+    """Random caches and shuffled block tables for sequences of these lengths. Tables are padded
+    with -1 (extra_cols beyond the longest); `ahead[i]` extra blocks are allocated past length i."""
+    ahead = ahead or [0] * len(lens)
+    counts = [-(-n // block_size) + a for n, a in zip(lens, ahead)]
+    num_blocks = sum(counts) + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), max(counts) + extra_cols), -1, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(counts):
+        tables[i, :c] = perm[used:used + c].int()
+        used += c
+    return k_cache, v_cache, tables
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+def test_triton_ops_registers_nothing_without_cuda():
+    assert set(triton_ops.IMPLS) == set(triton_ops.NAMES)
+    if not torch.cuda.is_available():
+        assert triton_ops.REGISTERED == []
+        assert not kernels.TRITON_IMPLS
+    for name in triton_ops.NAMES:  # same signature as the reference
+        import inspect
+        assert (inspect.signature(triton_ops.IMPLS[name]).parameters.keys()
+                == inspect.signature(getattr(ref, name)).parameters.keys()), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache writes
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_store_kv(block_size):
+    gen = torch.Generator().manual_seed(1)
+    head_dim, tokens = 64, 21
+    num_blocks = 4
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[2, 7, 20]] = -1
+    qkv = torch.randn(tokens, 3 * KV_HEADS * head_dim, generator=gen)  # value is a strided view
+    key = qkv[:, :KV_HEADS * head_dim].reshape(tokens, KV_HEADS, head_dim).contiguous()
+    value = qkv[:, 2 * KV_HEADS * head_dim:].view(tokens, KV_HEADS, head_dim)
+    assert not value.is_contiguous()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, k_ref, v_ref, slots)
+    tcache.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_store_queries():
+    gen = torch.Generator().manual_seed(2)
+    rows, q_heads, head_dim, tokens = 24, 8, 64, 10
+    cache = torch.randn(3, rows, q_heads, head_dim, generator=gen)[1]  # one layer of a larger cache
+    query = torch.randn(tokens, q_heads, head_dim, generator=gen)
+    slots = torch.tensor([-1, 5, 6, -1, 23, 0, -1, -1, 11, 12])
+    expected = cache.clone()
+    ref.store_queries(query, expected, slots)
+    tcache.store_queries(query, cache, slots)
+    assert torch.equal(cache, expected)
+    tcache.store_queries(query, cache, torch.full((tokens,), -1))  # all skipped
+    assert torch.equal(cache, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention
+
+DECODE_CASES = [  # (group, head_dim, block_size)
+    (1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 16, 16), (2, 8, 16), (4, 128, 256), (1, 64, 256),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", DECODE_CASES)
+def test_paged_decode_attention(group, head_dim, block_size):
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
+    lens = [1, 300, 77] if block_size == 16 else [5, 290, 257]
+    k_cache, v_cache, tables = paged_cache(lens, block_size, KV_HEADS, head_dim, gen, ahead=[1, 0, 1])
+    query = torch.randn(len(lens), KV_HEADS * group, head_dim, generator=gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    expected = ref.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    out = tatt.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    close(out, expected)
+
+
+@pytest.mark.parametrize("block_size,ways,min_partition,block_n", [
+    (16, 5, 16, 16), (16, 4, 64, 64), (16, 7, 32, 32), (16, 3, 256, 64), (256, 6, 64, 64)])
+def test_decode_split_k_equals_unsplit(block_size, ways, min_partition, block_n):
+    """Forcing several partitions per sequence (some past a short context, some sequences fitting
+    in one) changes nothing."""
+    gen = torch.Generator().manual_seed(ways * 100 + min_partition + block_n)
+    lens = [300, 3, 150, 64] if block_size == 16 else [300, 40]
+    k_cache, v_cache, tables = paged_cache(lens, block_size, KV_HEADS, 64, gen, extra_cols=4)
+    query = torch.randn(len(lens), KV_HEADS * 4, 64, generator=gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (query, k_cache, v_cache, tables, context_lens, 0.125)
+    unsplit = tatt.paged_decode_attention_impl(*args, num_partitions=1)
+    split = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=min_partition, block_n=block_n)
+    close(split, unsplit, rtol=1e-5, atol=1e-6)
+    close(split, ref.paged_decode_attention(*args))
+
+
+def test_decode_partition_heuristic():
+    """Few sequences on a long table split (to fill the GPU); a full batch does not; a short
+    table never splits below the minimum partition length."""
+    cpu = torch.device("cpu")  # 4 'SMs' off CUDA: the target is 8 programs
+    assert tatt.decode_num_partitions(1, 2, 128, 256, cpu) == 4  # 32k tokens
+    assert tatt.decode_num_partitions(1, 1, 128, 256, cpu) == 8
+    assert tatt.decode_num_partitions(256, 8, 8, 256, cpu) == 1
+    assert tatt.decode_num_partitions(1, 1, 1, 16, cpu) == 1  # 16 tokens: one partition at most
+    assert tatt.decode_num_partitions(1, 1, 2, 256, cpu) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill attention
+
+PREFILL_CASES = [  # (group, head_dim, block_size)
+    (1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 64, 16), (4, 16, 16), (2, 64, 256),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", PREFILL_CASES)
+def test_prefill_attention(group, head_dim, block_size):
+    gen = torch.Generator().manual_seed(7 * group + head_dim + block_size)
+    # (new queries, KV entries after the chunk): plain prompt, cached prefix, one token, empty.
+    shapes = [(37, 37), (20, 150), (1, 77), (0, 16), (70, 90)]
+    q_lens = [q for q, _ in shapes]
+    lens = [n for _, n in shapes]
+    k_cache, v_cache, tables = paged_cache(lens, block_size, KV_HEADS, head_dim, gen, ahead=[0, 1, 0, 0, 1])
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), KV_HEADS * group, head_dim, generator=gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    args = (query, k_cache, v_cache, tables, cu, context_lens, scale)
+    expected = ref.prefill_attention(*args)
+    out = tatt.prefill_attention(*args)
+    close(out, expected)
+    if group == 2 and block_size == 16:  # other tilings: several query tiles per sequence
+        close(tatt.prefill_attention_impl(*args, block_m=16, block_n=32), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+
+WINDOW_CASES = [  # (group, head_dim, block_size, window, kv_len)
+    (1, 64, 16, 16, 100), (2, 128, 16, 8, 150), (4, 64, 16, 16, 600), (8, 64, 16, 4, 60),
+    (4, 16, 16, 8, 90), (2, 64, 256, 16, 300),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,window,kv_len", WINDOW_CASES)
+def test_window_attention_score(group, head_dim, block_size, window, kv_len):
+    gen = torch.Generator().manual_seed(group + head_dim + window + kv_len)
+    k_cache, _, tables = paged_cache([kv_len], block_size, KV_HEADS, head_dim, gen)
+    table = tables[0][tables[0] >= 0].long()  # the compressor passes an int64 1-D table
+    queries = torch.randn(window, KV_HEADS * group, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    expected = ref.window_attention_score(queries, k_cache, table, kv_len, scale)
+    out = tscores.window_attention_score(queries, k_cache, table, kv_len, scale)
+    assert out.dtype == torch.float32 and out.shape == (KV_HEADS, kv_len)
+    close(out, expected)
+    if group == 1:
+        close(tscores.window_attention_score(queries, k_cache, table.int(), kv_len, scale), expected)
+
+
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_pool_scores(kernel):
+    gen = torch.Generator().manual_seed(kernel)
+    scores = torch.randn(3, 101, generator=gen)
+    scores[0, -5:] = float("inf")
+    scores[1, :3] = float("-inf")
+    close(tscores.pool_scores(scores, kernel), ref.pool_scores(scores, kernel), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_previous", [0, 40, 101])
+def test_global_score_merge(num_previous):
+    gen = torch.Generator().manual_seed(num_previous)
+    current = torch.rand(KV_HEADS, 101, generator=gen)
+    previous = torch.rand(101, KV_HEADS, generator=gen).t()  # strided, as the compressor builds it
+    out = tscores.global_score_merge(current, previous, num_previous, 0.8)
+    close(out, ref.global_score_merge(current, previous, num_previous, 0.8), rtol=0, atol=0)
+
+
+def duplicated_keys(gen, tokens=150, head_dim=64, heads=KV_HEADS):
+    """Random keys with runs of near-duplicates (cosine ~0.96) and a few exact repeats."""
+    keys = torch.randn(heads, tokens, head_dim, generator=gen)
+    keys[:, 10:20] = keys[:, 0:10] + 0.3 * torch.randn(heads, 10, head_dim, generator=gen)
+    keys[:, 40:45] = keys[:, 30:31] + 0.2 * torch.randn(heads, 5, head_dim, generator=gen)
+    keys[:, 100] = keys[:, 60] * 2.0
+    keys[:, 140:] = keys[:, 135:136] + 0.1 * torch.randn(heads, tokens - 140, head_dim, generator=gen)
+    return keys
+
+
+def reference_sums(keys, lightning_block, threshold):
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    heads, tokens, dim = unit.shape
+    if lightning_block is None:
+        return ref._redundancy_sums(unit, threshold)
+    padded = torch.nn.functional.pad(unit, (0, 0, 0, -tokens % lightning_block))
+    blocks = padded.reshape(-1, lightning_block, dim)
+    return ref._redundancy_sums(blocks, threshold).reshape(heads, -1)[:, :tokens]
+
+
+@pytest.mark.parametrize("lightning_block,threshold", [(None, 0.5), (16, 0.5), (64, 0.5), (32, -0.2), (None, -0.2)])
+def test_redundancy_score(lightning_block, threshold):
+    gen = torch.Generator().manual_seed(3 + (lightning_block or 0))
+    # [T, heads, D] gathered from the cache and transposed, as the compressor passes it
+    keys = duplicated_keys(gen).transpose(0, 1).contiguous().transpose(0, 1)
+    assert not keys.is_contiguous()
+    close(tscores.redundancy_sums(keys, lightning_block, threshold), reference_sums(keys, lightning_block, threshold),
+          rtol=1e-4, atol=1e-4)
+    out = tscores.redundancy_score(keys, lightning_block, threshold, 0.4)
+    close(out, ref.redundancy_score(keys, lightning_block, threshold, 0.4))
+    if lightning_block == 16:  # tiles spanning several lightning blocks
+        close(tscores.redundancy_sums(keys, lightning_block, threshold, tile=64),
+              reference_sums(keys, lightning_block, threshold), rtol=1e-4, atol=1e-4)
+
+
+def test_redundancy_spares_latest_duplicate():
+    """A run of exact duplicates: only the newest looks unique."""
+    keys = torch.zeros(1, 6, 16)
+    keys[0, :, 0] = 1.0  # all identical
+    keys[0, 5] = torch.tensor([0.0, 1.0] + [0.0] * 14)
+    sums = tscores.redundancy_sums(keys, None, 0.5)
+    close(sums, reference_sums(keys, None, 0.5), rtol=0, atol=1e-6)
+    assert sums[0, 4] == 0 and sums[0, 0] > 0
+
+
+@pytest.mark.parametrize("tokens,keep", [(300, 128), (300, 300), (1000, 1), (2304, 2048)])
+def test_keep_indices_matches_topk(tokens, keep):
+    gen = torch.Generator().manual_seed(tokens + keep)
+    scores = torch.randn(KV_HEADS + 1, tokens, generator=gen)
+    scores[:, -16:] = float("inf")  # the window
+    scores[:, 3] = -0.0
+    out = tscores.keep_indices(scores, keep)
+    expected = ref.keep_indices(scores, keep)
+    assert out.dtype == torch.int64 and out.shape == (KV_HEADS + 1, keep)
+    assert torch.equal(out, expected)
+
+
+def assert_valid_top_k(scores, out, keep):
+    assert out.shape == (scores.shape[0], keep)
+    for row, idx in zip(scores, out):
+        assert torch.all(idx[1:] > idx[:-1]), "indices must be strictly ascending"
+        chosen = torch.zeros(scores.shape[1], dtype=torch.bool)
+        chosen[idx] = True
+        if keep < scores.shape[1]:
+            assert row[chosen].min() >= row[~chosen].max()
+
+
+def test_keep_indices_with_ties(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 4, (3, 500), generator=gen).float()
+    scores[:, -16:] = float("inf")
+    scores[2, :] = 1.0  # one value only: the lowest indices win
+    out = tscores.keep_indices(scores, 200)
+    assert_valid_top_k(scores, out, 200)
+    assert torch.equal(out[2], torch.arange(200))
+    # The chunked path (rows longer than one chunk), forced with a tiny chunk.
+    monkeypatch.setattr(tscores, "KEEP_MAX_CHUNK", 64)
+    chunked = tscores.keep_indices(scores, 200)
+    assert torch.equal(chunked, out)
+    plain = torch.randn(2, 333, generator=gen)
+    assert torch.equal(tscores.keep_indices(plain, 100), ref.keep_indices(plain, 100))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compaction
+
+
+@pytest.mark.parametrize("with_scores", [True, False])
+def test_compact_kv_overlapping(with_scores):
+    """Targets are blocks the kept entries come from: everything is gathered before it is written."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, head_dim, num_blocks = 16, 64, 9
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=gen)
+    score_cache = torch.randn(num_blocks * block_size, KV_HEADS, generator=gen)
+    table = torch.tensor([3, 0, 7, 1, 6])
+    kv_len, keep = 75, 48
+    token_slots = (table[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:kv_len]
+    keep_idx = ref.keep_indices(torch.randn(KV_HEADS, kv_len, generator=gen), keep)
+    src = token_slots[keep_idx]
+    targets = [0, 3, 7]  # all sources of the kept entries' first blocks
+    dst = torch.tensor([b * block_size + o for b in targets for o in range(block_size)])
+    kept_scores = torch.randn(KV_HEADS, keep, generator=gen) if with_scores else None
+    caches = [k_cache.clone(), v_cache.clone(), score_cache.clone() if with_scores else None]
+    ref.compact_kv(*caches, src, dst, kept_scores)
+    tcache.compact_kv(k_cache, v_cache, score_cache if with_scores else None, src, dst, kept_scores)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    if with_scores:
+        assert torch.equal(score_cache, caches[2])

@@ -1,0 +1,1 @@
+"""Textual CSS themes for the Zipage console (package data: dark, light, high-contrast)."""

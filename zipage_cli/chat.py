@@ -1,0 +1,332 @@
+"""`zipage chat`: several concurrent chat sessions, with the engine's inner life beside them.
+
+Each answer is submitted and streamed in a worker thread (an engine submit can wait for a step),
+so the UI never blocks; the side panes redraw from `EngineThread.snapshot()` a few times a second
+and the event log drains `EngineThread.subscribe()`.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane
+
+from engine.service import EngineThread, RequestHandle
+from zipage_cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
+from zipage_cli.themes import ThemedApp, theme_names
+from zipage_cli.widgets import (BlockTable, EventLog, Gauges, HelpScreen, Throughput, printable,
+                                session_name_widget_id)
+
+REFRESH_S = 0.25  # side panes redraw rate
+STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
+
+CHAT_COMMANDS = SETTING_COMMANDS + """
+/all TEXT     send TEXT to every idle session at once (same as Ctrl+B)
+/new [NAME]   open a session;  /close  close this one
+/theme [NAME] switch theme ({themes})"""
+
+
+@dataclass
+class Session:
+    conv: Conversation
+    handle: RequestHandle | None = None
+    busy: bool = False
+    stop_requested: bool = False
+
+
+class Message(Static):
+    """One turn. An answer is redrawn as its text streams in."""
+
+    def __init__(self, text: str, classes: str):
+        super().__init__(printable(text), classes=f"msg {classes}", markup=False)
+        self.text = text
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self.update(Text(printable(text)))
+
+
+class ChatApp(ThemedApp):
+    TITLE = "Zipage chat"
+    CSS = """
+    #main { width: 2fr; }
+    #side { width: 1fr; min-width: 40; max-width: 64; }
+    TabbedContent { height: 1fr; }
+    TabPane { padding: 0; }
+    .transcript { height: 1fr; padding: 0 1; }
+    .msg { margin: 1 0 0 0; padding: 0 1; height: auto; }
+    .msg-meta { margin: 0 0 0 2; height: auto; }
+    .settings { height: 1; padding: 0 1; }
+    #prompt { margin: 0 0; }
+    #blocks { height: 2fr; }
+    #blocks-view { height: auto; }
+    #throughput { height: 8; }
+    #gauges { height: 6; }
+    #events { height: 1fr; }
+    .pane { padding: 0 1; }
+    Sparkline { height: 2; }
+    HelpScreen { align: center middle; }
+    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
+    """
+    ENABLE_COMMAND_PALETTE = False  # its theme picker would bypass the .tcss themes
+    BINDINGS = [
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+n", "new_session", "New"),
+        Binding("ctrl+w", "close_session", "Close", priority=True),  # Input binds ctrl+w too
+        Binding("ctrl+pagedown,alt+right", "next_session", "Next"),
+        Binding("ctrl+pageup,alt+left", "previous_session", "Previous", show=False),
+        Binding("ctrl+b", "broadcast", "Send to all"),
+        Binding("escape", "stop", "Stop answer"),
+        ThemedApp.THEME_BINDING,
+    ]
+
+    def __init__(self, engine: EngineThread, theme_name: str = "dark", sessions: int = 1,
+                 temperature: float = 0.7, max_tokens: int = 512, system: str | None = None):
+        super().__init__(theme_name)
+        self.engine = engine
+        self.defaults = dict(temperature=temperature, max_tokens=max_tokens, system=system)
+        self.initial_sessions = max(1, sessions)
+        self.sessions: dict[str, Session] = {}  # by pane id
+        self.events: queue.Queue = engine.subscribe()
+        self.counter = 0
+        self.sub_title = f"{engine.config.model} · {engine.snapshot().device}"
+
+    # -- layout --------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(icon="▣")
+        with Horizontal():
+            with Vertical(id="main"):
+                yield TabbedContent(id="tabs")
+                yield Static(id="settings", classes="settings")
+                yield Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
+                            id="prompt")
+            with Vertical(id="side"):
+                with VerticalScroll(id="blocks", classes="pane") as pane:
+                    pane.border_title = "KV blocks per request"
+                    yield BlockTable(id="blocks-view")
+                with Throughput(id="throughput", classes="pane") as pane:
+                    pane.border_title = "Throughput"
+                with Gauges(id="gauges", classes="pane") as pane:
+                    pane.border_title = "KV pool & memory"
+                with Vertical(id="events", classes="pane") as pane:
+                    pane.border_title = "Engine events"
+                    yield EventLog(id="event-log")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        for _ in range(self.initial_sessions):
+            await self.open_session()
+        self.tabs.active = next(iter(self.sessions))
+        self.set_interval(REFRESH_S, self.refresh_panes)
+        self.query_one("#prompt", Input).focus()
+
+    def on_unmount(self) -> None:
+        for session in self.sessions.values():
+            if session.handle is not None:
+                self.engine.abort(session.handle)
+        self.engine.unsubscribe(self.events)
+
+    # -- sessions ------------------------------------------------------------------
+    @property
+    def tabs(self) -> TabbedContent:
+        return self.query_one("#tabs", TabbedContent)
+
+    @property
+    def current(self) -> Session | None:
+        return self.sessions.get(self.tabs.active)
+
+    async def open_session(self, name: str | None = None) -> Session:
+        self.counter += 1
+        name = name or f"chat-{self.counter}"
+        pane_id = session_name_widget_id(name)
+        if pane_id in self.sessions:
+            raise ValueError(f"a session named {name!r} is already open")
+        session = Session(Conversation(name, **self.defaults))
+        self.sessions[pane_id] = session
+        await self.tabs.add_pane(TabPane(name, VerticalScroll(classes="transcript"), id=pane_id))
+        self.tabs.active = pane_id
+        self.show_settings()
+        return session
+
+    def transcript(self, session: Session) -> VerticalScroll:
+        pane_id = session_name_widget_id(session.conv.name)
+        return self.query_one(f"#{pane_id} .transcript", VerticalScroll)
+
+    async def action_new_session(self) -> None:
+        await self.open_session()
+
+    async def action_close_session(self) -> None:
+        pane_id = self.tabs.active
+        session = self.sessions.pop(pane_id, None)
+        if session is None:
+            return
+        if session.handle is not None:
+            self.engine.abort(session.handle)
+        await self.tabs.remove_pane(pane_id)
+        if not self.sessions:
+            await self.open_session()
+        self.show_settings()
+
+    def action_next_session(self, step: int = 1) -> None:
+        ids = list(self.sessions)
+        if ids:
+            self.tabs.active = ids[(ids.index(self.tabs.active) + step) % len(ids)]
+            self.show_settings()
+
+    def action_previous_session(self) -> None:
+        self.action_next_session(-1)
+
+    def on_tabbed_content_tab_activated(self) -> None:
+        self.show_settings()
+
+    def show_settings(self) -> None:
+        session = self.current
+        if session is None:
+            return
+        state = "answering… (Esc stops)" if session.busy else "idle"
+        self.query_one("#settings", Static).update(f"{session.conv.name}: {state} · {session.conv.settings_line()}")
+
+    # -- input ---------------------------------------------------------------------
+    async def on_input_submitted(self, event: Input.Submitted) -> None:
+        line = event.value.strip()
+        event.input.value = ""
+        if line:
+            await self.run_line(line)
+
+    async def run_line(self, line: str) -> None:
+        """A message for the current session, or a slash command."""
+        command, arg = split_command(line)
+        session = self.current
+        try:
+            if not command:
+                self.ask(session, line)
+            elif command == "/all":
+                self.broadcast(arg)
+            elif command == "/new":
+                await self.open_session(arg or None)
+            elif command == "/close":
+                await self.action_close_session()
+            elif command == "/theme":
+                self.apply_theme(arg) if arg else self.action_cycle_theme()
+            elif command == "/help":
+                self.action_help()
+            else:
+                note = session.conv.apply(command, arg)
+                if note is None:
+                    raise ValueError(f"unknown command {command}; F1 lists them")
+                self.notify(f"{session.conv.name}: {note}", timeout=2)
+                self.show_settings()
+        except ValueError as e:
+            self.notify(str(e), severity="error")
+
+    def action_broadcast(self) -> None:
+        prompt = self.query_one("#prompt", Input)
+        text, prompt.value = prompt.value.strip(), ""
+        self.broadcast(text)
+
+    def broadcast(self, text: str) -> None:
+        if not text:
+            raise ValueError("type a message first, then send it to all sessions")
+        idle = [s for s in self.sessions.values() if not s.busy]
+        if not idle:
+            raise ValueError("every session is busy answering")
+        for session in idle:
+            self.ask(session, text)
+
+    def action_stop(self) -> None:
+        session = self.current
+        if session is not None and session.busy:
+            session.stop_requested = True
+            if session.handle is not None:
+                self.engine.abort(session.handle)
+
+    def action_help(self) -> None:
+        notes = "Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
+        self.push_screen(HelpScreen("Zipage chat: keys", self.BINDINGS, notes))
+
+    # -- answering -----------------------------------------------------------------
+    def ask(self, session: Session, prompt: str) -> None:
+        if session.busy:
+            raise ValueError(f"{session.conv.name} is still answering; Esc stops it")
+        view = self.transcript(session)
+        view.mount(Message(prompt, "msg-user"))
+        reply = Message("…", "msg-assistant")
+        view.mount(reply)
+        view.scroll_end(animate=False)
+        session.busy, session.stop_requested = True, False
+        self.show_settings()
+        self.run_worker(lambda: self.stream(session, prompt, reply), thread=True, group="answers")
+
+    def stream(self, session: Session, prompt: str, reply: Message) -> None:
+        """Worker thread: submit, then push the growing text to the UI a few dozen times a second."""
+        start = time.monotonic()
+        try:
+            handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
+                                        session=session.conv.name)
+        except (ValueError, RuntimeError) as e:
+            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), start)
+            return
+        session.handle = handle
+        if session.stop_requested:  # Esc arrived while the submit was in flight
+            self.engine.abort(handle)
+        text, drawn = "", 0.0
+        for delta in handle:
+            text += delta
+            if time.monotonic() - drawn >= STREAM_REDRAW_S:
+                drawn = time.monotonic()
+                self.call_from_thread(self.show_partial, reply, text)
+        self.call_from_thread(self.finish, session, prompt, reply, handle, None, start)
+
+    def show_partial(self, reply: Message, text: str) -> None:
+        if not reply.is_attached:  # the session was closed meanwhile
+            return
+        reply.set_text(text)
+        view = reply.parent
+        if view.max_scroll_y - view.scroll_y < 4:
+            view.scroll_end(animate=False)  # follow the answer unless the user scrolled back
+
+    def finish(self, session: Session, prompt: str, reply: Message, handle: RequestHandle | None,
+               error: str | None, start: float) -> None:
+        session.busy, session.handle = False, None
+        out = handle.result() if handle is not None else None
+        if out is not None and out.finish_reason == "error":
+            error = out.error
+        if not reply.is_attached:  # the session was closed meanwhile
+            return
+        if error is not None:
+            reply.set_text(f"error: {error}")
+            reply.set_classes("msg msg-error")
+        else:
+            reply.set_text(out.text or "(empty answer)")
+            session.conv.record(prompt, out.text)
+            seconds = time.monotonic() - start
+            squeezed = out.metrics.get("times_compressed", 0)
+            meta = (f"{len(out.token_ids)} tokens · {len(out.token_ids) / seconds:.1f} tok/s · {out.finish_reason}"
+                    + (f" · KV compressed {squeezed}×" if squeezed else "")
+                    + (" · stopped" if out.finish_reason == "abort" else ""))
+            reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
+            reply.parent.scroll_end(animate=False)
+        self.show_settings()
+
+    # -- live panes ----------------------------------------------------------------
+    def refresh_panes(self) -> None:
+        snapshot = self.engine.snapshot()
+        self.query_one("#blocks-view", BlockTable).show(snapshot)
+        self.query_one("#throughput", Throughput).show(snapshot)
+        self.query_one("#gauges", Gauges).show(snapshot)
+        fresh = []
+        while len(fresh) < 1000:
+            try:
+                fresh.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        self.query_one("#event-log", EventLog).add(fresh)
+        running = sum(1 for s in self.sessions.values() if s.busy)
+        self.sub_title = (f"{snapshot.model} · {snapshot.device} · {len(self.sessions)} sessions, "
+                          f"{running} answering · step {snapshot.step}")

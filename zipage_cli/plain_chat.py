@@ -1,0 +1,168 @@
+"""`zipage chat --plain`: a line-mode chat for terminals where a full-screen app is unwelcome.
+
+Interactive terminals get prompt_toolkit (history, multi-line input with Alt+Enter); piped
+standard input is read one message per line. `Conversation` (history, per-session sampling
+settings, the shared slash commands) is also what the full-screen chat keeps per session.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from engine.config import SamplingParams
+from engine.service import EngineThread
+
+SETTING_COMMANDS = """\
+/temp X       sampling temperature for this session (0 = greedy)
+/max N        most tokens per answer
+/system TEXT  system message (empty to clear)
+/clear        forget this session's history"""
+
+PLAIN_HELP = SETTING_COMMANDS + """
+/help         this help
+/quit         leave (or Ctrl+D)
+Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Ctrl+C stops an answer."""
+
+
+@dataclass
+class Conversation:
+    """One chat session: its messages and sampling settings."""
+
+    name: str
+    temperature: float = 0.7
+    max_tokens: int = 512
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)
+
+    def messages_for(self, prompt: str) -> list[dict]:
+        """The whole conversation plus the new user turn, as the chat template wants it."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history + [{"role": "user", "content": prompt}]
+
+    def record(self, prompt: str, answer: str) -> None:
+        self.history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+    def settings_line(self) -> str:
+        system = f"system: {self.system[:24]}…" if self.system and len(self.system) > 24 else (
+            f"system: {self.system}" if self.system else "no system message")
+        return (f"temperature {self.temperature:g} · max tokens {self.max_tokens} · {system} · "
+                f"{len(self.history) // 2} turns")
+
+    def apply(self, command: str, arg: str) -> str | None:
+        """Run a settings command; returns a confirmation, None if `command` is not one,
+        or raises ValueError for a bad value."""
+        if command in ("/temp", "/temperature"):
+            value = _number(arg, float, command)
+            SamplingParams(temperature=value)  # validates
+            self.temperature = value
+            return f"temperature {value:g}"
+        if command in ("/max", "/max-tokens"):
+            value = _number(arg, int, command)
+            SamplingParams(max_tokens=value)
+            self.max_tokens = value
+            return f"max tokens {value}"
+        if command == "/system":
+            self.system = arg or None
+            return f"system message: {arg}" if arg else "system message cleared"
+        if command == "/clear":
+            self.history.clear()
+            return "history cleared"
+        return None
+
+
+def _number(arg: str, kind: type, command: str):
+    try:
+        return kind(arg)
+    except ValueError:
+        raise ValueError(f"{command} needs a {'whole ' if kind is int else ''}number, got {arg!r}") from None
+
+
+def split_command(line: str) -> tuple[str, str]:
+    """'/temp 0.3' -> ('/temp', '0.3'); a message -> ('', message)."""
+    if not line.startswith("/"):
+        return "", line
+    command, _, arg = line.partition(" ")
+    return command.lower(), arg.strip()
+
+
+def answer(engine: EngineThread, conv: Conversation, prompt: str, out: TextIO) -> None:
+    """Stream one answer to `out`; Ctrl+C stops it (the partial answer stays in the history)."""
+    handle = engine.submit(conv.messages_for(prompt), conv.params(), session=conv.name)
+    try:
+        for delta in handle:
+            out.write(delta)
+            out.flush()
+    except KeyboardInterrupt:
+        engine.abort(handle)
+        out.write(" [stopped]")
+    result = handle.result()
+    out.write("\n")
+    out.flush()
+    if result.finish_reason == "error":
+        raise RuntimeError(result.error)
+    conv.record(prompt, result.text)
+
+
+def handle_line(engine: EngineThread, conv: Conversation, line: str, out: TextIO, err: TextIO) -> bool:
+    """Act on one input; False when the user asked to leave."""
+    line = line.strip()
+    if not line:
+        return True
+    command, arg = split_command(line)
+    try:
+        if command in ("/quit", "/exit"):
+            return False
+        if command == "/help":
+            err.write(PLAIN_HELP + "\n")
+        elif command:
+            note = conv.apply(command, arg)
+            err.write(f"{note}\n" if note else f"unknown command {command}; /help lists them\n")
+        else:
+            answer(engine, conv, line, out)
+    except (ValueError, RuntimeError) as e:
+        err.write(f"error: {e}\n")
+    return True
+
+
+def run_plain(engine: EngineThread, conv: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
+              err: TextIO = sys.stderr) -> None:
+    if not stdin.isatty():
+        for line in stdin:
+            if not handle_line(engine, conv, line, out, err):
+                return
+        return
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    from engine.loader import cache_dir
+
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _send(event):
+        event.current_buffer.validate_and_handle()
+
+    @keys.add("escape", "enter")  # Alt+Enter arrives as Esc, Enter
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    session = PromptSession(history=FileHistory(str(cache_dir() / "chat_history")), multiline=True,
+                            key_bindings=keys, reserve_space_for_menu=0,
+                            prompt_continuation=lambda width, *_: "." * (width - 1) + " ")
+    err.write(f"Chatting with {engine.config.model}. {conv.settings_line()}\n/help for commands, Ctrl+D to leave.\n")
+    while True:
+        try:
+            line = session.prompt("you> ")
+        except KeyboardInterrupt:
+            continue
+        except EOFError:
+            return
+        if not handle_line(engine, conv, line, out, err):
+            return

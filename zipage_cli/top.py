@@ -1,0 +1,416 @@
+"""`zipage top`: a live monitor of an engine under load, with a step-by-step teaching mode.
+
+A load generator thread keeps the engine busy (synthetic random-token prompts or a JSONL file);
+the screen redraws from snapshots a few times a second. Teaching mode pauses the engine and runs
+exactly one step per key press, then explains the step by diffing the snapshots around it and
+reading the events it produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Footer, Header, Static
+
+from engine.config import SamplingParams
+from engine.events import EngineSnapshot, Event, RequestInfo
+from engine.service import EngineThread
+from zipage_cli.themes import ThemedApp
+from zipage_cli.widgets import EventLog, Gauges, HelpScreen, PoolMap, Throughput, describe_event
+
+REFRESH_S = 0.25
+
+TEACH_INTRO = ("Teaching mode: the engine is paused. Press space (or n) to run exactly one engine step; "
+               "these notes then explain what the scheduler and the compressor did, for the request "
+               "selected in the table (↑/↓). Press t to let the engine run freely again.")
+
+
+# -- load ------------------------------------------------------------------------------
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a JSONL file, one object with a "prompt" string per line (blank lines skipped)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"prompts file {path!r} not found")
+    prompts = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise ValueError(f'{path} line {number}: expected an object with a non-empty string "prompt" field')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"prompts file {path!r} holds no prompts")
+    return prompts
+
+
+def synthetic_prompts(tokenizer, input_len: int, seed: int = 0) -> Iterator[list[int]]:
+    """Endless prompts of `input_len` random non-special token ids."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    while True:
+        yield [rng.choice(vocab) for _ in range(input_len)]
+
+
+class LoadGenerator:
+    """Keeps up to `concurrency` requests in flight, starting at most `rate` per second (None: no cap)."""
+
+    def __init__(self, engine: EngineThread, prompts: Iterable, params: SamplingParams, concurrency: int,
+                 rate: float | None = None):
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.concurrency, self.rate = concurrency, rate
+        self.submitted = 0
+        self.error: str | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="zipage-load", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def run(self) -> None:
+        in_flight, next_at = [], time.monotonic()
+        for prompt in self.prompts:
+            while not self.stop.is_set():
+                in_flight = [h for h in in_flight if not h.done]
+                if len(in_flight) < self.concurrency and time.monotonic() >= next_at:
+                    break
+                self.stop.wait(0.02)
+            if self.stop.is_set():
+                return
+            if self.rate:
+                next_at = max(next_at, time.monotonic() - 1.0) + 1.0 / self.rate
+            try:
+                in_flight.append(self.engine.submit(prompt, self.params, session=f"load-{self.submitted}"))
+            except (ValueError, RuntimeError) as e:
+                self.error = str(e)
+                return
+            self.submitted += 1
+
+
+# -- teaching notes ----------------------------------------------------------------------
+def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Event],
+                 selected: int | None) -> list[str]:
+    """Plain-words account of one engine step: what ran, then what happened to `selected`."""
+    old = {r.id: r for r in before.requests}
+    new = {r.id: r for r in after.requests}
+    kinds = Counter(e.kind for e in events)
+    decoded = [r for r in after.requests if r.id in old and r.output_tokens > old[r.id].output_tokens
+               and not any(e.kind == "prefilled" and e.request == r.id for e in events)]
+    if after.step == before.step:
+        if not before.requests and not events:
+            headline = "Nothing to do: no request is waiting or running."
+        else:
+            headline = ("No forward pass this step: the scheduler only moved requests around "
+                        "(a compression started or landed, or requests were preempted).")
+    elif kinds["prefilled"]:
+        headline = (f"Step {after.step} was a prefill step: {kinds['prefilled']} prompt(s) were computed "
+                    "in one pass and their first tokens sampled.")
+    else:
+        headline = (f"Step {after.step} was a decode step: {len(decoded)} running request(s) each "
+                    "produced one token.")
+    pool = after.pool
+    lines = [headline,
+             f"Scheduler: {after.running} running, {after.waiting} waiting; {pool.free} of {pool.total} blocks free "
+             f"({pool.cached} of them caching a prefix); query slots {pool.query_slots_used}/{pool.query_slots_total}."]
+    target = selected if selected in old or selected in new or any(e.request == selected for e in events) else None
+    if target is None and (new or old):
+        target = min(new or old)
+    if target is not None:
+        mine = [e for e in events if e.request == target]
+        lines.append("")
+        lines += explain_request(target, old.get(target), new.get(target), mine, pool.block_size)
+    others = [e for e in events if e.request != target]
+    if others:
+        lines.append("")
+        lines += [f"Also #{e.request}: {describe_event(e)}." for e in others[:6]]
+        if len(others) > 6:
+            lines.append(f"… and {len(others) - 6} more events.")
+    return lines
+
+
+def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | None, events: list[Event],
+                    block_size: int) -> list[str]:
+    lines = []
+    for e in events:
+        d = e.details
+        if e.kind == "admitted":
+            cached = d.get("cached_tokens", 0)
+            lines.append(f"#{rid} was admitted: its {d.get('prompt_tokens')}-token prompt got {d.get('blocks')} "
+                         f"block(s) of {block_size} slots" + (f", {cached} tokens reused from the prefix cache."
+                                                              if cached else "."))
+        elif e.kind == "prefilled":
+            lines.append(f"#{rid} was prefilled: {d.get('tokens')} tokens computed in one pass "
+                         f"({1000 * d.get('seconds', 0):.0f} ms), and its first answer token sampled.")
+        elif e.kind == "compressed":
+            held = after.block_table if after else ()
+            targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
+            decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
+            lines.append(f"#{rid} was compressed from {d.get('blocks_before')} to {d.get('blocks_after')} blocks: "
+                         f"each layer and KV head kept its {d.get('tokens_after')} highest-scoring of "
+                         f"{d.get('tokens_before')} cached tokens, evicting {d.get('evicted_per_layer')} "
+                         f"({1000 * d.get('seconds', 0):.1f} ms).")
+            if targets:
+                lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
+                             + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
+        elif e.kind == "preempted":
+            lines.append(f"#{rid} was preempted: the pool ran out of free blocks, so its blocks were freed and it "
+                         "went back to the waiting queue, to be recomputed once blocks free up.")
+        elif e.kind in ("finished", "aborted", "error"):
+            lines.append(f"#{rid} {describe_event(e)}; its blocks went back to the pool "
+                         "(full ones stay findable by the prefix cache until reused).")
+    if after is None or any(e.kind in ("finished", "aborted", "error", "preempted") for e in events):
+        return lines or [f"#{rid} is no longer in the engine."]
+    if before is not None:
+        lines += _progress(rid, before, after, events, block_size)
+    if after.status == "waiting" and not events:
+        lines.append(f"#{rid} is waiting for admission: there are not enough free blocks for its prompt yet, "
+                     "or the batch is full.")
+    elif after.status == "compressing":
+        lines.append(f"#{rid} is being compressed in the background; it skips decode steps until the "
+                     "compaction lands.")
+    return lines or [f"#{rid} did not run this step."]
+
+
+def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Event], block_size: int) -> list[str]:
+    """What a decode step did to one request: the slot it wrote, a new block, a query slot."""
+    lines = []
+    prefilled = any(e.kind == "prefilled" for e in events)
+    if after.output_tokens > before.output_tokens and not prefilled:
+        position = after.kv_len - 1  # the step stored the K/V of the token fed in, at the cache's end
+        block = after.block_table[position // block_size]
+        lines.append(f"#{rid} decoded one token (answer token {after.output_tokens}); the step wrote the K/V of "
+                     f"the token it read into block {block}, slot {position % block_size} of {block_size} "
+                     f"({after.kv_len} tokens cached).")
+    elif after.status == "running" and after.output_tokens == before.output_tokens and not prefilled:
+        lines.append(f"#{rid} sat this step out (prefill steps run prompts only).")
+    grown = [b for b in after.block_table if b not in before.block_table]
+    if grown and not any(e.kind in ("admitted", "compressed") for e in events):
+        lines.append(f"#{rid} got new block {_ids(grown)}: its last block was full "
+                     f"(now {len(after.block_table)} blocks).")
+    if before.query_slot is None and after.query_slot is not None:
+        lines.append(f"#{rid} got query slot {after.query_slot}: the queries of its last window positions are "
+                     "now kept, so it can be scored and compressed when it reaches its block budget.")
+    return lines
+
+
+def _ids(blocks: list[int]) -> str:
+    return ", ".join(str(b) for b in blocks)
+
+
+# -- the app -----------------------------------------------------------------------------
+COLUMNS = ("id", "session", "status", "prompt", "output", "kv", "blocks", "shared", "compr.", "q-slot", "tok/s")
+
+
+def row_cells(r: RequestInfo) -> tuple:
+    return (str(r.id), r.session or "-", r.status, r.prompt_tokens, r.output_tokens, r.kv_len, len(r.block_table),
+            r.blocks_shared, r.times_compressed, "-" if r.query_slot is None else r.query_slot,
+            f"{r.tokens_per_s:.1f}")
+
+
+class TopApp(ThemedApp):
+    TITLE = "Zipage top"
+    ENABLE_COMMAND_PALETTE = False
+    CSS = """
+    #left { width: 2fr; }
+    #right { width: 1fr; min-width: 40; max-width: 60; }
+    .pane { padding: 0 1; }
+    #requests { height: 1fr; min-height: 6; }
+    #pool-pane { height: 1fr; min-height: 6; }
+    PoolMap { height: 1fr; }
+    #explain-pane { height: auto; max-height: 16; display: none; }
+    #explain-pane.teaching { display: block; }
+    #throughput { height: 8; }
+    #gauges { height: 6; }
+    #events { height: 1fr; }
+    Sparkline { height: 2; }
+    HelpScreen { align: center middle; }
+    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
+    """
+    BINDINGS = [
+        Binding("f1,question_mark", "help", "Help"),
+        Binding("t", "teach", "Teach"),
+        Binding("space,n", "step", "Step"),
+        ThemedApp.THEME_BINDING,
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, engine: EngineThread, load: LoadGenerator | None = None, theme_name: str = "dark",
+                 teach: bool = False):
+        super().__init__(theme_name)
+        self.engine, self.load = engine, load
+        self.start_teaching = teach
+        self.events: queue.Queue = engine.subscribe()
+        self.teach_events: queue.Queue | None = None
+        self.stepping = False
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="▣")
+        with Horizontal():
+            with Vertical(id="left"):
+                table = DataTable(id="requests", classes="pane", cursor_type="row", zebra_stripes=True)
+                table.border_title = "Requests"
+                yield table
+                with Vertical(id="pool-pane", classes="pane") as pane:
+                    pane.border_title = "Block pool (colour = request, glyph = role)"
+                    yield PoolMap(id="pool")
+                with Vertical(id="explain-pane", classes="pane") as pane:
+                    pane.border_title = "Teaching mode: one step per key press"
+                    yield Static(TEACH_INTRO, id="explain", classes="explain")
+            with Vertical(id="right"):
+                with Throughput(id="throughput", classes="pane") as pane:
+                    pane.border_title = "Throughput"
+                with Gauges(id="gauges", classes="pane") as pane:
+                    pane.border_title = "KV pool & memory"
+                with Vertical(id="events", classes="pane") as pane:
+                    pane.border_title = "Engine events"
+                    yield EventLog(id="event-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#requests", DataTable).add_columns(*COLUMNS)
+        if self.start_teaching:
+            self.action_teach()
+        if self.load is not None:
+            self.load.start()
+        self.refresh_panes()
+        self.set_interval(REFRESH_S, self.refresh_panes)
+        self.query_one("#requests", DataTable).focus()
+
+    def on_unmount(self) -> None:
+        if self.load is not None:
+            self.load.close()
+        self.engine.unsubscribe(self.events)
+        self.engine.resume()
+
+    @property
+    def selected(self) -> int | None:
+        table = self.query_one("#requests", DataTable)
+        if not table.row_count:
+            return None
+        return int(table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value)
+
+    # -- live panes ----------------------------------------------------------------
+    def refresh_panes(self) -> None:
+        snapshot = self.engine.snapshot()
+        self.show_requests(snapshot)
+        self.query_one("#pool", PoolMap).show(snapshot, self.selected)
+        self.query_one("#throughput", Throughput).show(snapshot)
+        self.query_one("#gauges", Gauges).show(snapshot)
+        fresh = []
+        while len(fresh) < 1000:
+            try:
+                fresh.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        self.query_one("#event-log", EventLog).add(fresh)
+        mode = "TEACHING (paused)" if self.engine.paused else "live"
+        load = f" · load: {self.load.submitted} sent" if self.load else ""
+        if self.load and self.load.error:
+            load += f" (stopped: {self.load.error})"
+        self.sub_title = (f"{snapshot.model} · {snapshot.device} · step {snapshot.step} · {snapshot.running} running, "
+                          f"{snapshot.waiting} waiting · {mode}{load}")
+
+    def show_requests(self, snapshot: EngineSnapshot) -> None:
+        """Update rows in place so the cursor stays on the same request."""
+        table = self.query_one("#requests", DataTable)
+        live = {str(r.id): r for r in snapshot.requests}
+        for key in [k for k in table.rows if k.value not in live]:
+            table.remove_row(key)
+        for key, r in live.items():
+            if key in table.rows:
+                for column, value in zip(table.columns, row_cells(r)):
+                    table.update_cell(key, column, value)
+            else:
+                table.add_row(*row_cells(r), key=key)
+        table.border_subtitle = f"{len(live)} live · ↑/↓ selects"
+
+    # -- teaching mode -------------------------------------------------------------
+    def action_teach(self) -> None:
+        pane = self.query_one("#explain-pane")
+        if self.engine.paused:
+            self.engine.resume()
+            self.engine.unsubscribe(self.teach_events)
+            self.teach_events = None
+            pane.remove_class("teaching")
+        else:
+            self.engine.pause()
+            self.teach_events = self.engine.subscribe()
+            self.query_one("#explain", Static).update(TEACH_INTRO)
+            pane.add_class("teaching")
+
+    def action_step(self) -> None:
+        if not self.engine.paused:
+            self.notify("press t for teaching mode first: it pauses the engine", timeout=2)
+            return
+        if self.stepping:
+            return  # one step per key press: ignore presses while a step is still running
+        self.stepping = True
+        selected = self.selected
+        self.run_worker(lambda: self.step(selected), thread=True, group="step")
+
+    def step(self, selected: int | None) -> None:
+        """Worker thread: one engine step, bracketed by snapshots, then its explanation."""
+        try:
+            before = self.engine.snapshot(fresh=True)
+            self._drain(self.teach_events)
+            after = self.engine.step_once()
+            lines = explain_step(before, after, self._drain(self.teach_events), selected)
+        finally:
+            self.stepping = False
+        self.call_from_thread(self.show_step, lines)
+
+    @staticmethod
+    def _drain(q: queue.Queue | None) -> list[Event]:
+        events = []
+        while q is not None:
+            try:
+                events.append(q.get_nowait())
+            except queue.Empty:
+                break
+        return events
+
+    def show_step(self, lines: list[str]) -> None:
+        text = Text()
+        for i, line in enumerate(lines):
+            text.append(line + "\n", "bold" if i == 0 else "")
+        text.append("space: next step · ↑/↓: follow another request · t: run freely", "italic")
+        self.query_one("#explain", Static).update(text)
+        self.refresh_panes()
+
+    def action_help(self) -> None:
+        notes = ("Teaching mode pauses the engine; each step key runs exactly one engine step (one forward "
+                 "pass) and explains it for the selected request: admission, prefill, which block and slot "
+                 "a decoded token went to, new blocks, compressions (blocks before/after, tokens evicted), "
+                 "preemptions and finishes.\n\nThe block pool map draws every KV block: colour = owning "
+                 "request, glyph = role; dim dots are free blocks, small squares free blocks that still "
+                 "cache a prefix.")
+        self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS, notes))
+
+
+def prompt_source(engine: EngineThread, texts: list[str] | None, input_len: int, seed: int) -> Iterator:
+    """Cycle the given prompts (through the chat template when the model has one), or synthesise."""
+    if texts is None:
+        return synthetic_prompts(engine.tokenizer, input_len, seed)
+    if getattr(engine.tokenizer, "chat_template", None):
+        return itertools.cycle([[{"role": "user", "content": t}] for t in texts])
+    return itertools.cycle(texts)

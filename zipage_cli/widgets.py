@@ -1,0 +1,327 @@
+"""Widgets shared by `zipage chat` and `zipage top`: block tables, the pool map, the event log,
+throughput sparklines, gauges and the help screen.
+
+Every widget draws from `engine.events` records only (snapshots and events). Colours come from
+component classes, so the theme files (.tcss) restyle them and a theme switch repaints them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Label, Sparkline, Static
+
+from engine.events import EngineSnapshot, Event, RequestInfo
+
+ROLES = ("shared", "private", "target", "decode")
+# One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
+GLYPHS = {"shared": "◆", "private": "■", "target": "▣", "decode": "▶", "cached": "▪", "free": "·"}
+ROLE_LABELS = {"shared": "shared prefix", "private": "private", "target": "compressed target",
+               "decode": "decode", "cached": "free, cached prefix", "free": "free"}
+OWNER_COLOURS = 6  # the pool map cycles owner--0 .. owner--5 from the theme
+EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")
+
+# C0 control characters (but newline and tab) as their visible "control pictures": a random-weight
+# model emits arbitrary bytes, and a raw escape must never reach the terminal.
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {127: 0x2421}
+
+
+def printable(text: str) -> str:
+    return text.translate(_CONTROL_PICTURES)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_rate(tok_s: float) -> str:
+    return f"{tok_s / 1000:.1f}k" if tok_s >= 10_000 else f"{tok_s:.0f}"
+
+
+def describe_event(event: Event) -> str:
+    """One plain line for an engine event (the log and the teaching notes both use it)."""
+    d = event.details
+    if event.kind == "admitted":
+        cached = d.get("cached_tokens", 0)
+        return (f"admitted: {d.get('prompt_tokens')} prompt tokens into {d.get('blocks')} blocks"
+                + (f", {cached} from the prefix cache" if cached else ""))
+    if event.kind == "prefilled":
+        return f"prefilled {d.get('tokens')} tokens in {1000 * d.get('seconds', 0):.0f} ms"
+    if event.kind == "compressed":
+        return (f"compressed {d.get('blocks_before')}→{d.get('blocks_after')} blocks, "
+                f"evicted {d.get('evicted_per_layer')} tokens per layer "
+                f"({1000 * d.get('seconds', 0):.1f} ms)")
+    if event.kind == "preempted":
+        return f"preempted after {d.get('output_tokens')} tokens: blocks freed, queued to recompute"
+    if event.kind == "error":
+        return f"error: {d.get('error', '?')}"
+    return f"{event.kind} ({d.get('reason', '')}, {d.get('output_tokens', 0)} tokens)"
+
+
+class RoleStyled(Static):
+    """Base for widgets drawing blocks: the role and owner colours live in the theme."""
+
+    COMPONENT_CLASSES = ({f"role--{r}" for r in (*ROLES, "cached", "free")}
+                         | {f"owner--{i}" for i in range(OWNER_COLOURS)} | {"dim", "selected"})
+
+    def style_for(self, name: str):
+        return self.get_component_rich_style(name, partial=True)
+
+    def legend(self, roles=(*ROLES,)) -> Text:
+        """Glyph and meaning of each role, wrapped between entries rather than inside one."""
+        text, column = Text(), 0
+        for role in roles:
+            entry = f"{GLYPHS[role]} {ROLE_LABELS[role]}   "
+            if column and column + len(entry.rstrip()) > self.content_size.width:
+                text.append("\n")
+                column = 0
+            text.append(GLYPHS[role], self.style_for(f"role--{role}"))
+            text.append(entry[1:], self.style_for("dim"))
+            column += len(entry)
+        return text
+
+
+class BlockTable(RoleStyled):
+    """Each live request's block table, one glyph per block, coloured by role."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.requests: tuple[RequestInfo, ...] = ()
+        self.block_size = 0
+
+    def show(self, snapshot: EngineSnapshot) -> None:
+        self.requests = snapshot.requests
+        self.block_size = snapshot.pool.block_size
+        self.refresh()
+
+    def render(self) -> Text:
+        text = Text(no_wrap=False)
+        if not self.requests:
+            text.append("no request holds blocks right now\n", self.style_for("dim"))
+        for r in sorted(self.requests, key=lambda r: r.id):
+            text.append(f"#{r.id} {r.session or '-'} ", "bold")
+            squeezed = f" ×{r.times_compressed} compressed" if r.times_compressed else ""
+            text.append(f"{r.status} · kv {r.kv_len} tok · {len(r.block_table)} blk{squeezed}\n",
+                        self.style_for("dim"))
+            for role in r.block_roles:
+                text.append(GLYPHS[role], self.style_for(f"role--{role}"))
+            text.append("\n")
+        text.append("\n")
+        text.append_text(self.legend())
+        return text
+
+
+class PoolMap(RoleStyled):
+    """Every block of the pool: glyph by role, colour by owning request; free blocks dim.
+
+    Snapshots count cached free blocks but do not say which they are, so the map infers them:
+    full blocks of uncompressed requests that were freed, newest kept (the pool reuses the
+    least recently freed first), trimmed to the count the snapshot reports.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.snapshot: EngineSnapshot | None = None
+        self.selected: int | None = None
+        self.cached: dict[int, None] = {}  # insertion-ordered: oldest freed first
+        self.owned: dict[int, tuple[int, str]] = {}  # block -> (request id, role)
+        self.full_blocks: set[int] = set()
+
+    def show(self, snapshot: EngineSnapshot, selected: int | None = None) -> None:
+        owned, full = {}, set()
+        for r in snapshot.requests:
+            for i, (block, role) in enumerate(zip(r.block_table, r.block_roles)):
+                owned.setdefault(block, (r.id, role))
+                if not r.times_compressed and (i + 1) * snapshot.pool.block_size <= r.kv_len:
+                    full.add(block)
+        for block in self.full_blocks - owned.keys():
+            self.cached.pop(block, None)
+            self.cached[block] = None
+        for block in owned:
+            self.cached.pop(block, None)
+        while len(self.cached) > snapshot.pool.cached:
+            del self.cached[next(iter(self.cached))]
+        self.owned, self.full_blocks = owned, full
+        self.snapshot, self.selected = snapshot, selected
+        self.refresh()
+
+    def render(self) -> Text:
+        if self.snapshot is None:
+            return Text("waiting for the first snapshot…")
+        total = self.snapshot.pool.total
+        rows = max(1, self.content_size.height - 3)
+        # Two columns per block while the pool fits that way (easier to read), else one; a pool too
+        # large even then draws several blocks per glyph.
+        spacing = 2 if total * 2 <= self.content_size.width * rows else 1
+        width = max(8, self.content_size.width // spacing)
+        per_cell = -(-total // (width * rows))
+        text = Text()
+        for start in range(0, total, per_cell):
+            glyph, style = self._cell(range(start, min(start + per_cell, total)))
+            text.append(glyph, style)
+            text.append(" " * (spacing - 1))
+            if (start // per_cell + 1) % width == 0:
+                text.append("\n")
+        text.append("\n")
+        text.append_text(self.legend((*ROLES, "cached", "free")))
+        if per_cell > 1:
+            text.append(f" (one glyph = {per_cell} blocks)", self.style_for("dim"))
+        return text
+
+    def _cell(self, blocks: range) -> tuple[str, object]:
+        """Draw the most telling block of a cell: owned beats cached beats free."""
+        for block in blocks:
+            if block in self.owned:
+                request, role = self.owned[block]
+                style = self.style_for(f"owner--{request % OWNER_COLOURS}")
+                if request == self.selected:
+                    style += self.style_for("selected")
+                return GLYPHS[role], style
+        if any(b in self.cached for b in blocks):
+            return GLYPHS["cached"], self.style_for("role--cached")
+        return GLYPHS["free"], self.style_for("role--free")
+
+
+class EventLog(Static):
+    """The newest engine events, newest last; restyled on theme change (colours per kind)."""
+
+    COMPONENT_CLASSES = {f"event--{k}" for k in EVENT_KINDS} | {"dim"}
+    DEFAULT_CSS = "EventLog { height: 1fr; text-wrap: nowrap; text-overflow: ellipsis; }"
+
+    def __init__(self, max_events: int = 500, **kwargs):
+        super().__init__(**kwargs)
+        self.events: deque[Event] = deque(maxlen=max_events)
+
+    def add(self, events: list[Event]) -> None:
+        if events:
+            self.events.extend(events)
+            self.refresh()
+
+    def render(self) -> Text:
+        text = Text()
+        if not self.events:
+            text.append("no events yet", self.get_component_rich_style("dim", partial=True))
+        lines = list(self.events)[-max(1, self.content_size.height):]
+        for i, event in enumerate(lines):
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+            text.append(f"{stamp} ", self.get_component_rich_style("dim", partial=True))
+            text.append(f"#{event.request} " if event.request is not None else "")
+            text.append(describe_event(event), self.get_component_rich_style(f"event--{event.kind}", partial=True))
+            if i < len(lines) - 1:
+                text.append("\n")
+        return text
+
+
+class Throughput(Vertical):
+    """Prefill and decode tokens/s: the current value and a sparkline of the last minute."""
+
+    HISTORY = 120  # samples, at the console's refresh rate
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.prefill: deque[float] = deque([0.0] * self.HISTORY, maxlen=self.HISTORY)
+        self.decode: deque[float] = deque([0.0] * self.HISTORY, maxlen=self.HISTORY)
+
+    def compose(self) -> ComposeResult:
+        yield Label(id="prefill-label")
+        yield Sparkline(list(self.prefill), id="prefill-spark")
+        yield Label(id="decode-label")
+        yield Sparkline(list(self.decode), id="decode-spark")
+
+    def show(self, snapshot: EngineSnapshot) -> None:
+        self.prefill.append(snapshot.throughput.prefill)
+        self.decode.append(snapshot.throughput.decode)
+        self.query_one("#prefill-label", Label).update(f"prefill {fmt_rate(snapshot.throughput.prefill)} tok/s")
+        self.query_one("#decode-label", Label).update(f"decode  {fmt_rate(snapshot.throughput.decode)} tok/s")
+        self.query_one("#prefill-spark", Sparkline).data = list(self.prefill)
+        self.query_one("#decode-spark", Sparkline).data = list(self.decode)
+
+
+class Gauge(Static):
+    """A labelled horizontal bar: `label [████░░░░] detail`."""
+
+    COMPONENT_CLASSES = {"gauge--fill", "gauge--empty", "gauge--label"}
+
+    def __init__(self, label: str, **kwargs):
+        super().__init__(**kwargs)
+        self.label = label
+        self.fraction = 0.0
+        self.detail = ""
+
+    def set(self, used: float, total: float, detail: str) -> None:
+        self.fraction = min(1.0, used / total) if total else 0.0
+        self.detail = detail
+        self.refresh()
+
+    def render(self) -> Text:
+        label = f"{self.label:<8}"
+        width = max(4, self.content_size.width - len(label) - len(self.detail) - 2)
+        filled = round(self.fraction * width)
+        text = Text(label, self.get_component_rich_style("gauge--label", partial=True), no_wrap=True)
+        text.append("█" * filled, self.get_component_rich_style("gauge--fill", partial=True))
+        text.append("░" * (width - filled), self.get_component_rich_style("gauge--empty", partial=True))
+        text.append(f" {self.detail}")
+        return text
+
+
+class Gauges(Vertical):
+    """KV pool blocks, query slots, KV bytes against device memory, and device memory in use."""
+
+    def compose(self) -> ComposeResult:
+        yield Gauge("blocks", id="gauge-blocks")
+        yield Gauge("q-slots", id="gauge-slots")
+        yield Gauge("KV", id="gauge-kv")
+        yield Gauge("memory", id="gauge-memory")
+
+    def show(self, snapshot: EngineSnapshot) -> None:
+        pool, mem = snapshot.pool, snapshot.memory
+        self.query_one("#gauge-blocks", Gauge).set(pool.used, pool.total, f"{pool.used}/{pool.total}")
+        self.query_one("#gauge-slots", Gauge).set(pool.query_slots_used, pool.query_slots_total,
+                                                  f"{pool.query_slots_used}/{pool.query_slots_total}")
+        kv_used = mem.kv * pool.used / pool.total if pool.total else 0
+        self.query_one("#gauge-kv", Gauge).set(kv_used, mem.kv, f"{fmt_bytes(kv_used)}/{fmt_bytes(mem.kv)}")
+        self.query_one("#gauge-memory", Gauge).set(mem.device_used, mem.device_total,
+                                                   f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")
+
+
+class HelpScreen(ModalScreen):
+    """The app's key bindings and any extra notes (chat's slash commands, top's teaching mode)."""
+
+    BINDINGS = [Binding("escape,f1,q,question_mark", "app.pop_screen", "Close help")]
+
+    def __init__(self, title: str, bindings: list[Binding], notes: str = ""):
+        super().__init__()
+        self.title_text = title
+        self.bindings = bindings
+        self.notes = notes
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        text.append(f"{self.title_text}\n\n", "bold")
+        for b in self.bindings:
+            if b.description:
+                keys = ", ".join(k.strip() for k in b.key.split(","))
+                text.append(f"  {keys:<24}", "bold")
+                text.append(f"{b.description}\n")
+        if self.notes:
+            text.append(f"\n{self.notes}\n")
+        text.append("\nEsc or F1 closes this help.", "italic")
+        with VerticalScroll(id="help-box", classes="pane") as box:
+            box.border_title = "Help"
+            yield Static(text)
+
+
+def session_name_widget_id(name: str) -> str:
+    """A DOM id for a session name (ids allow letters, digits, '-' and '_')."""
+    return "s-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
