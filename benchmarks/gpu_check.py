@@ -739,6 +739,11 @@ def time_compression(report: Report, s: Sizes, gen):
         with kernel_path(which, s.device):
             ms = bench_ms(lambda: compressor.execute(job), s.device)
         report.time(f"compression ({which}) {label}", ms, per_layer_ms=ms / s.layers)
+    if s.device != "cpu":  # the engine replays a captured graph of the whole pipeline
+        with kernel_path("triton", s.device):
+            compressor.capture_graphs()
+            ms = bench_ms(lambda: compressor.execute(job), s.device)
+        report.time(f"compression (triton, CUDA graph) {label}", ms, per_layer_ms=ms / s.layers)
 
 
 # ---------------------------------------------------------------------------------------------

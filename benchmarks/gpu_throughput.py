@@ -15,6 +15,7 @@ whole batch, so it serves the same prompts with every output set to the workload
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -57,7 +58,9 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = engine.totals["generated_tokens"]
-    result = {"tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+    durations = [e.details["seconds"] for e in engine.events if e.kind == "compressed"]
+    result = {"mean_step_ms": 1000 * seconds / max(steps, 1), "mean_compression_ms": 1000 * sum(durations) / len(durations) if durations else None,
+              "tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
               "peak_concurrency": peak_running, "steps": steps, "preemptions": engine.totals["preemptions"],
               "compressions": engine.totals["compressions"], "kv_blocks": engine.blocks.num_blocks,
               "block_size": engine.block_size, "query_slots": engine.runner.num_query_slots,
@@ -65,6 +68,7 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
               "kv_pool_gb": engine.runner.kv_bytes / (1 << 30)}
     engine.close()
     del engine
+    gc.collect()
     torch.cuda.empty_cache()
     return result
 
@@ -90,6 +94,7 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
     seconds = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
     del hf
+    gc.collect()
     torch.cuda.empty_cache()
     return {"tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
             "output_len_each": mean_out}

@@ -50,6 +50,7 @@ class Compressor:
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # random baseline
         # On CUDA, compression runs on its own stream so decoding never waits for it.
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        self.graphs: dict[bool, CompressionGraph] = {}  # first compression? -> graph
 
     # -- planning (engine thread) ---------------------------------------------------
     def fresh_blocks_needed(self, seq: Sequence) -> int:
@@ -86,65 +87,81 @@ class Compressor:
     # -- the tensor work (any thread) ---------------------------------------------------
     @torch.inference_mode()
     def execute(self, job: CompressionJob) -> None:
-        if self.stream is None:
-            self._execute(job)
-            return
-        with torch.cuda.stream(self.stream):
-            if job.ready is not None:
-                self.stream.wait_event(job.ready)
-            self._execute(job)
-            self.stream.synchronize()  # the job lands only once its writes are done
-
-    def _execute(self, job: CompressionJob) -> None:
         start = time.monotonic()
-        runner, cfg, bs = self.runner, self.config, self.block_size
-        device = runner.device
+        if self.stream is None:
+            self._run(job)
+        else:
+            with torch.cuda.stream(self.stream):
+                if job.ready is not None:
+                    self.stream.wait_event(job.ready)
+                self._run(job)
+                self.stream.synchronize()  # the job lands only once its writes are done
+        job.duration = time.monotonic() - start
+
+    def _run(self, job: CompressionJob) -> None:
+        device, bs = self.runner.device, self.block_size
         table = torch.tensor(job.source_table, dtype=torch.int64, device=device)
         window_rows = torch.tensor(
             [job.seq.query_slot * self.window + j % self.window for j in range(job.kv_len - self.window, job.kv_len)],
             dtype=torch.int64, device=device)
         dst = torch.tensor([b * bs + o for b in job.targets for o in range(bs)], dtype=torch.int64, device=device)
-        token_slots = table[:, None] * bs + torch.arange(bs, device=device)[None, :]
-        token_slots = token_slots.flatten()[:job.kv_len]  # slot of each scored entry
+        graph = self.graphs.get(job.first) if job.kv_len == self.trigger_len else None
+        if graph is not None:
+            graph.replay(table, window_rows, dst)
+        else:
+            self._score_and_compact(table, window_rows, dst, job.kv_len, job.first, job.num_scored)
+
+    def _score_and_compact(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor, kv_len: int,
+                           first: bool, num_scored: int) -> None:
+        """Every layer: score the request's kv_len entries, keep the best of each head, compact them
+        into the target slots `dst`. Only device work, so it can be captured in a CUDA graph."""
+        runner, cfg, bs = self.runner, self.config, self.block_size
+        token_slots = table[:, None] * bs + torch.arange(bs, device=table.device)[None, :]
+        token_slots = token_slots.flatten()[:kv_len]  # slot of each scored entry
         scale = runner.head_dim ** -0.5
         for layer in range(runner.num_layers):
             k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
             if cfg.eviction != "score":
-                self._compact_baseline(job, k_cache, v_cache, token_slots, dst)
+                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst)
                 continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
-            attention = kernels.window_attention_score(queries, k_cache, table, job.kv_len, scale)
-            if cfg.enable_pooling and job.first:
+            attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale)
+            if cfg.enable_pooling and first:
                 attention = kernels.pool_scores(attention, cfg.pooling_kernel)
             if cfg.use_global_score:
                 previous = runner.score_cache[layer].index_select(0, token_slots).t()
-                attention = kernels.global_score_merge(attention, previous, job.num_scored, cfg.global_decay)
+                attention = kernels.global_score_merge(attention, previous, num_scored, cfg.global_decay)
             final = attention
             if cfg.use_redundancy:
-                keys = kernels.gather_kv(k_cache, table, job.kv_len).transpose(0, 1)
+                keys = kernels.gather_kv(k_cache, table, kv_len).transpose(0, 1)
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
             final = final.clone()
-            final[:, job.kv_len - self.window:] = float("inf")  # the window always stays
+            final[:, kv_len - self.window:] = float("inf")  # the window always stays
             if cfg.num_sink_tokens:
                 final[:, :cfg.num_sink_tokens] = float("inf")
             keep = kernels.keep_indices(final, self.keep)  # [kv_heads, keep], ascending
             kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[keep], dst,
                                attention.gather(1, keep))
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        job.duration = time.monotonic() - start
 
-    def _compact_baseline(self, job, k_cache, v_cache, token_slots, dst) -> None:
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the usual compression (a decoding request at the trigger length), one for a
+        request's first compression and one for later ones: hundreds of small kernels, one launch."""
+        if self.stream is None or self.config.eviction != "score":
+            return
+        for first in (True, False):
+            self.graphs[first] = CompressionGraph(self, first)
+
+    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst) -> None:
         """The comparison policies at the same budget: random eviction, or sinks + most recent."""
         kv_heads = k_cache.shape[2]
         if self.config.eviction == "random":
-            final = torch.rand((kv_heads, job.kv_len), generator=self.generator, device=k_cache.device)
+            final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
-            final = torch.arange(job.kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
+            final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
         final = final.clone()
-        final[:, job.kv_len - self.window:] = float("inf")
+        final[:, kv_len - self.window:] = float("inf")
         if self.config.num_sink_tokens:
             final[:, :self.config.num_sink_tokens] = float("inf")
         keep = kernels.keep_indices(final, self.keep)
@@ -161,3 +178,33 @@ class Compressor:
         seq.num_scored = self.keep
         seq.times_compressed += 1
         seq.status = Status.RUNNING
+
+
+class CompressionGraph:
+    """One captured compression at the trigger length; replays read a new block table, window rows
+    and target slots from static buffers."""
+
+    def __init__(self, compressor: Compressor, first: bool):
+        device = compressor.runner.device
+        n_max = compressor.budget_blocks + 1
+        # Dummy inputs for warm-up and capture: the pool is still empty, so blocks 0..n are scratch.
+        self.table = torch.arange(n_max, dtype=torch.int64, device=device)
+        self.window_rows = torch.arange(compressor.window, dtype=torch.int64, device=device)
+        self.dst = torch.arange(compressor.keep, dtype=torch.int64, device=device)
+        args = (self.table, self.window_rows, self.dst, compressor.trigger_len, first,
+                0 if first else compressor.keep)
+        stream = compressor.stream
+        with torch.inference_mode():
+            with torch.cuda.stream(stream):
+                compressor._score_and_compact(*args)  # warm-up compiles every kernel
+            stream.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream):
+                compressor._score_and_compact(*args)
+        stream.synchronize()
+
+    def replay(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor) -> None:
+        self.table.copy_(table)
+        self.window_rows.copy_(window_rows)
+        self.dst.copy_(dst)
+        self.graph.replay()

@@ -30,18 +30,22 @@ EVENT_LOG_SIZE = 2000
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step: its text so far, and the new piece of it."""
+    """One request after a step. A finished output holds everything (prompt and output ids, full
+    text); a streaming one holds the new piece (`delta`, `new_token_ids`) and the text so far, so
+    that a step costs the same however long the answers grow."""
 
     id: int
     session: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    prompt_token_ids: list[int]  # complete when finished, else empty
+    token_ids: list[int]  # all output ids when finished, else empty
     text: str
     delta: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    new_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
 
 
 class EngineCore:
@@ -63,6 +67,8 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
         self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size)
                            if config.compression else None)
+        if self.compressor is not None and not config.enforce_eager:
+            self.compressor.capture_graphs()
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.runner.num_query_slots,
                                    self.compressor)
         self.jobs: dict[int, CompressionJob] = {}  # compressions in flight, by request id
@@ -191,7 +197,9 @@ class EngineCore:
                 self._event("prefilled", seq, tokens=seq.num_tokens, seconds=round(time.monotonic() - now, 4))
             seq.append_token(token)
             self.totals["generated_tokens"] += 1
-            outputs.append(self._after_token(seq, token))
+            out = self._after_token(seq, token)
+            if out is not None:
+                outputs.append(out)
         if batch.is_prefill:
             self.meter.add(computed, 0)
         else:
@@ -235,7 +243,8 @@ class EngineCore:
                     times=seq.times_compressed, seconds=round(job.duration, 5))
         return []
 
-    def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _after_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+        """Check the stop conditions; an output for finished or streaming requests, else None."""
         params = seq.params
         detok = self.detokenizers.get(seq.id)
         delta = detok.add([token]) if detok else ""
@@ -250,7 +259,11 @@ class EngineCore:
             out = self._finish(seq, reason)
             out.delta = delta + out.delta
             return out
-        return self._output(seq, delta, finished=False)
+        if detok is None:
+            return None
+        out = self._output(seq, delta, finished=False)
+        out.new_token_ids = [token]
+        return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
@@ -278,8 +291,12 @@ class EngineCore:
         metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
                    "preemptions": seq.num_preemptions, "times_compressed": seq.times_compressed,
                    "cached_prompt_tokens": seq.num_cached_prefix_tokens}
-        return RequestOutput(seq.id, seq.session, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                             text, delta, finished, seq.finish_reason, seq.error, metrics)
+        if finished:
+            prompt_ids, output_ids = seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids
+        else:
+            prompt_ids, output_ids = [], []
+        return RequestOutput(seq.id, seq.session, prompt_ids, output_ids, text, delta, finished,
+                             seq.finish_reason, seq.error, metrics, num_output_tokens=seq.num_output_tokens)
 
     def _event(self, kind: str, seq: Sequence | None, **details) -> None:
         self.events.append(Event(kind, seq.id if seq else None, time.time(), details))

@@ -67,8 +67,8 @@ class LLM:
         return self.engine.snapshot()
 
     def close(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+        """Abort whatever still runs, free its blocks and stop the compression worker."""
+        self.engine.close()
 
     def __enter__(self):
         return self

@@ -62,12 +62,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             import kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
         torch.manual_seed(config.seed)
-        model = CausalLM(hf)
+        # Build straight on the device in the serving dtype: no full-precision copy in host memory.
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = CausalLM(hf)
+        finally:
+            torch.set_default_dtype(previous_dtype)
         if source.is_random:
             model.init_random(config.seed)
         else:
             model.load_weights(source.load_weights())
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = model.eval()
         self.sampler = Sampler(config.seed)
         self.logits_observer = None  # callable(seq, logits_row) for evaluation; None in serving
 

@@ -185,6 +185,7 @@ class EngineThread:
                 out = self.engine.abort(request_id)
                 if out is not None:
                     self._deliver([out])
+            self.engine.close()
             self._publish(force=True)
 
     def _run_step(self) -> None:

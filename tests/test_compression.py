@@ -478,6 +478,56 @@ def test_compressed_requests_are_never_preempted(model_path, async_compress):
             assert ev.request not in compressed_at or compressed_at[ev.request] > i
 
 
+@pytest.mark.parametrize("hold_compression", [False, True])
+def test_victim_search_skips_compressed_and_compressing_requests(model_path, hold_compression):
+    """U1 and U2 run uncompressed; L (a prompt longer than the budget) is admitted behind them, at the
+    back of the running queue, where the victim search starts. When the pool runs dry, L must be
+    skipped: compressed (its compression landed), or under compression (held in flight here)."""
+    engine = make_engine(model_path, num_kv_blocks=7, max_cache_blocks_per_seq=2, window=4, num_query_slots=3,
+                         async_compress=hold_compression)
+    gate = threading.Event()
+    spy = ExecuteSpy(engine, gate=gate if hold_compression else None)
+    safety = threading.Timer(10.0, gate.set)  # never let a broken engine hang the suite
+    safety.start()
+    scheduler = engine.scheduler
+    inner = scheduler._preempt
+    victims = []
+
+    def preempt(seq):
+        victims.append((seq.id, seq.times_compressed, seq.status, [s.id for s in scheduler.running]))
+        return inner(seq)
+
+    scheduler._preempt = preempt
+    try:
+        u1_prompt, u2_prompt, l_prompt = random_prompts(3, [17, 5, 50], seed=31)
+        u1, u2 = engine.add_request(u1_prompt, greedy(60)), engine.add_request(u2_prompt, greedy(60))
+        engine.step()
+        long_seq = engine.add_request(l_prompt, greedy(60))
+        done = {}
+        steps = 0
+        while engine.has_work():
+            steps += 1
+            assert steps < 2000
+            if victims or steps > 40:
+                gate.set()
+            for out in engine.step():
+                if out.finished:
+                    done[out.id] = out
+            check_step(engine)
+        assert_drained(engine)
+    finally:
+        gate.set()
+        safety.cancel()
+        engine.close()
+    assert victims, "the pool never ran dry: the scenario did not test the victim search"
+    first = victims[0]
+    assert first[3][-1] == long_seq.id, "L should have been at the back of the running queue"
+    assert first[0] != long_seq.id, f"L was preempted ({first[2]}, compressed {first[1]}x)"
+    assert all(v[1] == 0 and v[2] is Status.RUNNING for v in victims)
+    assert [(done[s.id].finish_reason, len(done[s.id].token_ids)) for s in (u1, u2, long_seq)] == [("length", 60)] * 3
+    assert spy.records and done[long_seq.id].metrics["preemptions"] == 0
+
+
 # ------------------------------------------------------------------------------------------
 # 8. Async and sync compression agree; every scoring switch runs clean
 

@@ -62,10 +62,13 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
         self.scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.scaling).to(q.dtype)[:, None, :]
@@ -184,8 +187,10 @@ class CausalLM(nn.Module):
 
     # -- weights -----------------------------------------------------------------
     def init_random(self, seed: int) -> None:
-        """Random weights for the `random:` presets: small normal init, unit norms."""
-        gen = torch.Generator().manual_seed(seed)
+        """Random weights for the `random:` presets: small normal init, unit norms. Drawn on the
+        parameters' own device, so an 8B model never passes through host memory."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
         std = float(getattr(self.config, "initializer_range", 0.02))
         with torch.no_grad():
             for name, param in self.named_parameters():
@@ -194,7 +199,7 @@ class CausalLM(nn.Module):
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
-                    param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+                    param.normal_(0.0, std, generator=gen)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers."""
