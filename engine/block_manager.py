@@ -43,6 +43,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))  # least recently freed first
         self.hash_to_block: dict[int, int] = {}
+        # Optional cap on the prompt tokens one sequence may take from the cache (compression needs
+        # the window's queries, which only a prefill computes).
+        self.max_cached_tokens = None
 
     # -- pool accounting -----------------------------------------------------
     @property
@@ -84,7 +87,10 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         hits, prev = [], NO_HASH
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        limit = seq.num_tokens - 1
+        if self.max_cached_tokens is not None:
+            limit = min(limit, self.max_cached_tokens(seq))
+        for i in range(max(limit, 0) // self.block_size):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             prev = block_hash(tokens, prev)
             block_id = self.hash_to_block.get(prev)

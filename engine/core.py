@@ -58,6 +58,10 @@ class EngineCore:
         self.block_size = config.block_size or (256 if device.type == "cuda" else 32)
         if config.compression and config.window >= self.block_size:
             raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
+        budget_tokens = config.max_cache_blocks_per_seq * self.block_size
+        if config.compression and config.num_sink_tokens + config.window > budget_tokens:
+            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}: sinks plus the window ({config.window}) "
+                             f"must fit in the budget of {budget_tokens} tokens")
         model_limit = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN) or DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len={config.max_model_len}: the model supports at most {model_limit}")
@@ -65,6 +69,10 @@ class EngineCore:
 
         self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
+        if config.compression:
+            # Window queries are only made by prefill: the cache may not serve the window positions.
+            trigger = config.max_blocks_per_seq_compressed * self.block_size
+            self.blocks.max_cached_tokens = lambda seq: max(trigger, seq.num_tokens) - config.window
         self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size)
                            if config.compression else None)
         if self.compressor is not None and not config.enforce_eager:
@@ -173,8 +181,8 @@ class EngineCore:
         for seq in batch.preempted:
             self.totals["preemptions"] += 1
             self._event("preempted", seq, output_tokens=seq.num_output_tokens)
-        for seq in batch.compress:
-            outputs += self._start_compression(seq)
+        for job in batch.compress:
+            outputs += self._start_compression(job)
         if not batch.seqs:
             if self.jobs and not batch.compress and not batch.preempted:
                 outputs += self._land_compressions(block=True)
@@ -207,9 +215,8 @@ class EngineCore:
         return outputs
 
     # -- compression ------------------------------------------------------------------
-    def _start_compression(self, seq: Sequence) -> list[RequestOutput]:
-        job = self.compressor.plan(seq)
-        self.jobs[seq.id] = job
+    def _start_compression(self, job: CompressionJob) -> list[RequestOutput]:
+        self.jobs[job.seq.id] = job
         if self.worker is not None:
             job.future = self.worker.submit(self._execute, job)
             return []

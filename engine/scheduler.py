@@ -19,7 +19,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # tokens each sequence computes this step
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
-    compress: list[Sequence] = field(default_factory=list)  # compressions to start this step
+    compress: list = field(default_factory=list)  # CompressionJobs planned this step, to start
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its newest token this step and so samples a next one."""
@@ -138,8 +138,9 @@ class Scheduler:
             if self.compressor is not None and seq.kv_len >= self.trigger_len:
                 if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
                         seq, preempted, queue, seqs):
-                    seq.status = Status.COMPRESSING  # from now on it is never preempted
-                    compress.append(seq)
+                    # Planning takes its fresh blocks now, so no later append this step can take them;
+                    # from now on the request is under compression and never preempted.
+                    compress.append(self.compressor.plan(seq))
                 continue
             if self.compressor is not None and seq.kv_len >= self.window_start and seq.query_slot is None:
                 continue  # its next query belongs to the window: it waits for a slot

@@ -3,7 +3,8 @@ compressed, the N_max bound and exact pool accounting under random workloads, th
 always kept, shared prefix blocks never written, compressed requests never preempted, async vs
 sync compression, aborts during a compression, and what snapshots and events report.
 
-Engines here use block size 16, window 4..8 and budgets of 2..4 blocks so that compressions happen
+The kernel-level tests (compaction, selection, scoring against naive references) live in
+test_compression_kernels.py. Engines here use block size 16, window 4..8 and budgets of 2..4 blocks so that compressions happen
 every few dozen tokens on a tiny random-weight model with varied greedy output."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_unreached_budget_gives_the_same_tokens(model_path, llama_path, family, 
     prompts = random_prompts(4, [5, 20, 44, 1], seed=3)
     max_tokens = [60, 70, 100, 40]
     knobs = dict(max_cache_blocks_per_seq=8, window=8, num_kv_blocks=64)
-    full, full_totals = generate(path, prompts, max_tokens, **dict(knobs, compression=False))
+    full, _ = generate(path, prompts, max_tokens, **dict(knobs, compression=False))
     comp, totals = generate(path, prompts, max_tokens, hybrid_scheduling=hybrid, num_query_slots=slots,
                             **knobs)
     assert totals["compressions"] == 0
@@ -114,8 +115,8 @@ def check_slot_rules(engine) -> None:
             assert cfg.hybrid_scheduling, f"request {seq.id} runs without a slot"
             assert seq.kv_len <= trigger - cfg.window, f"request {seq.id} decoded into the window without a slot"
             assert seq.status is not Status.COMPRESSING
-        for other in engine.scheduler.waiting:
-            assert not other.block_table and not other.pending_blocks
+    for seq in engine.scheduler.waiting:  # a waiting (or preempted) request holds nothing
+        assert not seq.block_table and not seq.pending_blocks and seq.query_slot is None
 
 
 # Shrinking a failure of this test can take minutes: it is left out to keep the suite fast (the failing
@@ -261,6 +262,62 @@ def test_last_window_entries_are_always_kept(model_path, async_compress, evictio
 
 
 # ------------------------------------------------------------------------------------------
+# The query cache holds the window's queries (checked against transformers)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_query_cache_holds_the_queries_of_the_window(model_path, monkeypatch, hybrid):
+    """At each compression the request's slot rows hold the rotated queries of its last w token
+    positions. Oracle: transformers' own forward of the same tokens (queries captured at RoPE). Before
+    the first compression nothing was evicted, so every layer must match; later, only layer 0 (whose
+    queries depend on the tokens and positions alone) is comparable with the full-attention oracle."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    w = 4
+    engine = make_engine(model_path, async_compress=False, window=w, max_cache_blocks_per_seq=2, num_query_slots=1,
+                         hybrid_scheduling=hybrid, max_num_batched_tokens=32)  # chunked prefill too
+    records = []
+    inner = engine.compressor.execute
+
+    def spy(job):
+        rows = [job.seq.query_slot * w + j % w for j in range(job.kv_len - w, job.kv_len)]  # oldest first
+        records.append((job.first, list(job.seq.token_ids[:job.seq.num_computed_tokens]),
+                        engine.runner.query_cache[:, rows].clone()))
+        return inner(job)
+
+    engine.compressor.execute = spy
+    # A prompt that decodes into the window, one longer than the budget (window written at prefill,
+    # in chunks), and one that waits for the single slot under hybrid scheduling.
+    for p, m in zip(random_prompts(3, [10, 60, 20], seed=81), [60, 30, 50]):
+        engine.add_request(p, greedy(m))
+    run(engine)
+    assert_drained(engine)
+    engine.close()
+    assert sum(1 for r in records if r[0]) == 3 and len(records) >= 6
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    captured = []
+    rotate = modeling_qwen3.apply_rotary_pos_emb
+
+    def capture(q, k, cos, sin, *args, **kwargs):
+        q_embed, k_embed = rotate(q, k, cos, sin, *args, **kwargs)
+        captured.append(q_embed[0].transpose(0, 1))  # [tokens, heads, head_dim]
+        return q_embed, k_embed
+
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", capture)
+    with torch.no_grad():
+        for first, tokens, rows in records:
+            captured.clear()
+            hf(torch.tensor([tokens]))
+            want = torch.stack([q[-w:] for q in captured])  # [layers, w, heads, head_dim]
+            if first:
+                torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
+            else:
+                torch.testing.assert_close(rows[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
 # 6. Shared prefix blocks are never written by a compression
 
 
@@ -353,6 +410,10 @@ def test_compression_of_a_request_sharing_its_prefix_uses_fresh_targets(model_pa
     engine.close()
 
 
+# ------------------------------------------------------------------------------------------
+# Prefix caching, fresh-block reservation and sink tokens under compression
+
+
 def test_prefix_cache_hit_does_not_skip_the_window_queries(model_path):
     """A prompt longer than the budget is compressed right after its prefill, scored by the queries
     of its last w positions. When those positions fall in a block served by the prefix cache, their
@@ -380,7 +441,8 @@ def test_prefix_cache_hit_does_not_skip_the_window_queries(model_path):
         done = run(engine)
         assert_drained(engine)
         engine.close()
-        assert b.num_cached_prefix_tokens == (4 * bs if prefix_caching else 0)
+        # The cache serves only the blocks before the window (61..64): 3 of the 4 prefix blocks.
+        assert b.num_cached_prefix_tokens == (3 * bs if prefix_caching else 0)
         runs[prefix_caching] = (windows[b.id], done[a.id].token_ids, done[b.id].token_ids)
     cached, plain = runs[True], runs[False]
     assert plain[1] == cached[1]  # A never hit the cache
@@ -564,6 +626,77 @@ def test_every_scoring_switch_combination(model_path, use_global_score, use_redu
     assert [len(t) for t in sync] == max_tokens
     asyn, _ = generate(model_path, prompts, max_tokens, async_compress=True, **knobs)
     assert asyn == sync
+
+
+class KernelTrace:
+    """Records every compression-kernel call the compressor makes (arguments and result)."""
+
+    NAMES = ("window_attention_score", "pool_scores", "global_score_merge", "redundancy_score", "keep_indices",
+             "compact_kv")
+
+    def __init__(self, monkeypatch):
+        import kernels
+
+        self.calls = []
+        for name in self.NAMES:
+            inner = getattr(kernels, name)
+
+            def wrapper(*args, _name=name, _inner=inner):
+                snapshot = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                result = _inner(*args)
+                self.calls.append((_name, snapshot, result.clone() if isinstance(result, torch.Tensor) else None))
+                return result
+
+            monkeypatch.setattr(kernels, name, wrapper)
+
+
+@pytest.mark.parametrize("lightning", [True, False])
+def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning):
+    """Per layer: window score -> max-pooling (first compression only, kernel 5) -> global merge with
+    the score the kept tokens carried (none on the first compression) -> final = lambda*s - (1-lambda)*
+    redundancy (lightning: within blocks of b) with the window forced in -> top n*b -> compaction that
+    carries s (not the final score) in the score cache."""
+    cfg = dict(async_compress=False, window=4, max_cache_blocks_per_seq=2, lightning_redundancy=lightning,
+               redundancy_lambda=0.3, redundancy_temperature=0.5, global_decay=0.7, pooling_kernel=5)
+    engine = make_engine(model_path, **cfg)
+    trace = KernelTrace(monkeypatch)
+    spy = ExecuteSpy(engine)
+    bs, w, keep, layers = 16, 4, 32, engine.runner.num_layers
+    prompts = random_prompts(2, [10, 60], seed=71)
+    for p in prompts:
+        engine.add_request(p, greedy(45))
+    run(engine)
+    assert_drained(engine)
+    engine.close()
+    jobs = [r[0] for r in spy.records]
+    assert len(jobs) >= 4 and any(j.first for j in jobs) and any(not j.first for j in jobs)
+    calls = iter(trace.calls)
+    for job in jobs:
+        for _layer in range(layers):
+            name, args, score = next(calls)
+            assert name == "window_attention_score" and args[3] == job.kv_len
+            assert args[0].shape[0] == w
+            if job.first:
+                name, args, pooled = next(calls)
+                assert name == "pool_scores" and args[1] == 5 and torch.equal(args[0], score)
+                score = pooled
+            name, args, merged = next(calls)
+            assert name == "global_score_merge" and torch.equal(args[0], score)
+            assert args[2] == (0 if job.first else keep) and args[3] == 0.7
+            name, args, redundancy = next(calls)
+            assert name == "redundancy_score" and args[1] == (bs if lightning else None)
+            assert args[2] == 0.5 and args[3] == 0.5 and args[0].shape[1] == job.kv_len
+            name, args, kept = next(calls)
+            assert name == "keep_indices" and args[1] == keep
+            final = args[0]
+            want = 0.3 * merged - 0.7 * redundancy
+            assert torch.isinf(final[:, job.kv_len - w:]).all()
+            torch.testing.assert_close(final[:, :job.kv_len - w], want[:, :job.kv_len - w])
+            name, args, _ = next(calls)
+            assert name == "compact_kv"
+            assert torch.equal(args[5], merged.gather(1, kept)), "the score cache must carry s, not the final score"
+            assert args[4].tolist() == [b * bs + o for b in job.targets for o in range(bs)]
+    assert next(calls, None) is None
 
 
 @pytest.mark.parametrize("eviction", ["random", "recent"])

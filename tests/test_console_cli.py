@@ -75,12 +75,15 @@ def test_plain_chat_in_a_terminal_answers_on_the_default_model():
     term = Terminal(CLI + ["chat", "--plain", "--temperature", "0", "--max-tokens", "16", "--device", "cpu",
                            "--kv-cache-gb", "0.05"])
     try:
-        assert term.expect(b"you> ", 120), term.output[-500:]
+        assert term.expect(b"you>", 120), term.output[-500:]
         term.send(b"What is the capital of France?\r")
         assert term.expect(b"Paris", 60), term.output[-500:]
-        assert term.expect(b"you> ", 30)  # ready for the next turn
+        term.output = b""
+        assert term.expect(b"you>", 30)  # ready for the next turn
         term.send(b"/max 0\r")
         assert term.expect(b"error: max_tokens=0", 10)
+        term.output = b""
+        assert term.expect(b"you>", 10)  # keys typed before the prompt is up are not read
         term.send(b"\x04")  # Ctrl+D leaves
         assert term.wait(60) == 0
     finally:
@@ -115,19 +118,19 @@ def test_bench_json_has_all_three_modes(tmp_path):
 
 
 def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
-    runner = CliRunner()
-    result = runner.invoke(app, ["chat", "--theme", "neon"])
-    assert result.exit_code == 2 and "unknown theme 'neon'" in result.output
-    result = runner.invoke(app, ["top", "--prompts", str(tmp_path / "none.jsonl")])
-    assert result.exit_code == 2 and "not found" in result.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{oops}\n')
-    result = runner.invoke(app, ["top", "--prompts", str(bad)])
-    assert result.exit_code == 2 and "line 2: not valid JSON" in result.output
-    result = runner.invoke(app, ["bench", "--mode", "vllm"])
-    assert result.exit_code == 2 and "unknown mode 'vllm'" in result.output
-    result = runner.invoke(app, ["chat", "--model", "random:nope", "--plain"])
-    assert result.exit_code == 2 and "unknown random preset" in result.output
+    cases = [
+        (["chat", "--theme", "neon"], "unknown theme 'neon'; choose one of: dark, light, high-contrast"),
+        (["top", "--prompts", str(tmp_path / "none.jsonl")], "none.jsonl' not found"),
+        (["top", "--prompts", str(bad)], "bad.jsonl line 2: not valid JSON"),
+        (["bench", "--mode", "vllm"], "unknown mode 'vllm'"),
+        (["chat", "--plain", "--model", "random:nope"], "unknown random preset 'random:nope'"),
+    ]
+    for argv, message in cases:
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 2, argv
+        assert message in " ".join(result.output.split()), result.output
 
 
 def test_every_console_command_has_help_with_examples():

@@ -232,6 +232,22 @@ def test_stop_string_cuts_text(smol, fib):
     assert kept.token_ids == out.token_ids
 
 
+def test_stop_string_streaming_never_emits_the_stop(smol, fib):
+    """Through the streaming path (EngineCore stream=True), deltas add up to the cut text."""
+    prompt, full = fib
+    engine = smol.engine
+    seq = engine.add_request(prompt, greedy(40, ignore_eos=True, stop=["return"]), stream=True)
+    deltas, final = [], None
+    while final is None:
+        for out in engine.step():
+            if out.id == seq.id:
+                deltas.append(out.delta)
+                final = out if out.finished else None
+    assert final.finish_reason == "stop"
+    assert "".join(deltas) == final.text == full.text[:full.text.index("return")]
+    assert sum(1 for d in deltas if d) > 3
+
+
 def test_earliest_of_several_stop_strings_wins(smol, fib):
     prompt, full = fib
     text = full.text

@@ -196,18 +196,20 @@ def test_chat_messages(service, tiny):
 
 
 def test_stop_string_is_never_streamed(service, tiny):
+    """A 3-character stop string spans three byte tokens: no part of it may be streamed."""
     prompt = "Hello from session one!"
     full = tiny.generate([prompt], greedy(60, ignore_eos=True))[0]
-    printable = [i for i, c in enumerate(full.text) if c.isascii() and c.isprintable()]
-    assert printable, f"no printable text in {full.text!r}"
-    at = printable[len(printable) // 2]
-    stop = full.text[at]
-    cut = full.text.index(stop)
+    text = full.text
+    starts = [i for i in range(len(text) // 3, len(text) - 2)
+              if all(c.isascii() and c.isprintable() for c in text[i:i + 3])]
+    assert starts, f"no 3 printable characters in a row in {text!r}"
+    stop = text[starts[0]:starts[0] + 3]
+    cut = text.index(stop)
     handle = service.submit(prompt, greedy(60, ignore_eos=True, stop=[stop]))
     deltas = stream(handle)
     out = handle.result(timeout=1)
     assert out.finish_reason == "stop"
-    assert out.text == full.text[:cut] == "".join(deltas)
+    assert out.text == text[:cut] == "".join(deltas)
 
 
 def test_close_ends_cleanly(tiny_path):

@@ -154,7 +154,7 @@ def run_plain(engine: EngineThread, conv: Conversation, stdin: TextIO = sys.stdi
 
     cache_dir().mkdir(parents=True, exist_ok=True)
     session = PromptSession(history=FileHistory(str(cache_dir() / "chat_history")), multiline=True,
-                            key_bindings=keys, reserve_space_for_menu=0,
+                            key_bindings=keys,
                             prompt_continuation=lambda width, *_: "." * (width - 1) + " ")
     err.write(f"Chatting with {engine.config.model}. {conv.settings_line()}\n/help for commands, Ctrl+D to leave.\n")
     while True:
