@@ -32,7 +32,8 @@ def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int
     return prompts, outputs
 
 
-def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: dict, log) -> dict:
+def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: dict, log,
+               profile_path: str | None = None) -> dict:
     from engine.config import EngineConfig, SamplingParams
     from engine.core import EngineCore
 
@@ -43,9 +44,20 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     torch.cuda.synchronize()
     start = time.perf_counter()
     last_log = start
+    profiler = None
     while engine.has_work():
+        if profile_path and steps == 1000:  # host-side cost of 200 steady-state steps
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         engine.step()
         steps += 1
+        if profiler is not None and steps == 1200:
+            profiler.disable()
+            import pstats
+            with open(profile_path, "w") as f:
+                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
+            profiler = None
         running = engine.scheduler.running
         peak_running = max(peak_running, len(running))
         if steps % 64 == 0:
@@ -88,8 +100,7 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
                               eos_token_id=source.tokenizer.eos_token_id, pad_token_id=0)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode():
-        results = hf.generate_batch(inputs=prompts, generation_config=config)
+    results = hf.generate_batch(inputs=prompts, generation_config=config)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
@@ -117,6 +128,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
     args = parser.parse_args(argv)
 
     from engine.loader import resolve_model
@@ -134,7 +146,8 @@ def main(argv=None) -> dict:
         log(f"{args.model} {mode} ...")
         try:
             if mode in ("zipage", "fullkv"):
-                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log)
+                profile = f"{args.profile_dir}/profile_{mode}.txt" if args.profile_dir else None
+                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log, profile)
             elif mode == "hf":
                 n = args.hf_num_requests or len(prompts)
                 r = run_hf(args.model, prompts[:n], outputs[:n], log)

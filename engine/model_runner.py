@@ -212,24 +212,28 @@ class ModelRunner:
             if batch.samples(i):
                 sample_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-
-        def tensor(values, dtype=torch.int64):
-            if self.device.type == "cuda":  # stage in pinned memory so the copy runs asynchronously
-                return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
-            return torch.tensor(values, dtype=dtype)
-
+        tables = [x for s in batch.seqs for x in s.block_table + [-1] * (width - len(s.block_table))]
+        if not any_query:
+            query_rows = []
+        # One host-to-device copy for all the batch metadata (staged in pinned memory on CUDA).
+        parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
+        flat = [x for part in parts for x in part]
+        if self.device.type == "cuda":
+            packed = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        else:
+            packed = torch.tensor(flat, dtype=torch.int64)
+        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split([len(p) for p in parts])
         fwd = ForwardBatch(
             is_prefill=batch.is_prefill,
-            slot_mapping=tensor(slots),
-            block_tables=tensor(tables, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu, torch.int32) if batch.is_prefill else None,
+            slot_mapping=slots_t,
+            block_tables=tables_t.view(len(batch.seqs), width).to(torch.int32),
+            context_lens=ctx_t.to(torch.int32),
+            cu_seqlens_q=cu_t.to(torch.int32) if batch.is_prefill else None,
         )
         if any_query:
-            fwd.query_slot_mapping = tensor(query_rows)
+            fwd.query_slot_mapping = rows_t
             fwd.query_cache = list(self.query_cache.unbind(0))
-        return tensor(input_ids), tensor(positions), fwd, sample_rows
+        return ids_t, pos_t, fwd, sample_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -242,7 +246,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return [None] * len(batch.seqs)
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.logits(hidden)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
         tokens = self.sampler.sample(logits, requests)

@@ -4,7 +4,7 @@ tiny pools, driving EngineCore step by step and checking invariants after every 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts
@@ -59,7 +59,7 @@ request_st = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(shape=st.sampled_from(ENGINE_SHAPES), requests=st.lists(request_st, min_size=1, max_size=10),
        seed=st.integers(0, 10_000))
 def test_random_workloads_free_every_block(cores, reference, shape, requests, seed):
