@@ -21,10 +21,23 @@ TINY_FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 # Knobs every test engine shares: CPU, no compression (implemented separately), small pools.
 BASE_KNOBS = dict(device="cpu", compression=False)
 
-# The suite is dominated by many tiny ops; on a small shared CPU, intra-op threads spin against
-# each other (and against other processes) and make tiny models 10-50x slower. One thread is
-# fast and predictable; override with ZIPAGE_TEST_THREADS.
-torch.set_num_threads(int(os.environ.get("ZIPAGE_TEST_THREADS", "1")))
+# The engine tests are dominated by many tiny ops; on a small shared CPU, intra-op threads spin
+# against each other (and against other processes) and make tiny models 10-50x slower. One
+# thread is fast and predictable; override with ZIPAGE_TEST_THREADS. Only these modules are
+# affected (other test files keep torch's default).
+ENGINE_TEST_MODULES = ("test_engine_", "test_kernels_reference", "test_service")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_test_threads(request):
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    if not name.startswith(ENGINE_TEST_MODULES):
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("ZIPAGE_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(previous)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from engine.service import EngineThread
-from zipage_cli.chat import ChatApp, Message
-from zipage_cli.widgets import BlockTable, EventLog
+from zipage_cli.chat import REFRESH_S, ChatApp, Message
+from zipage_cli.widgets import BlockTable, EventLog, HelpScreen
 
 # Tiny blocks and budget so a short answer already gets compressed.
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
@@ -37,7 +37,7 @@ async def type_line(pilot, text: str) -> None:
 
 def replies(app: ChatApp, index: int) -> list[Message]:
     session = list(app.sessions.values())[index]
-    return [m for m in app.transcript(session).query(Message) if m.has_class("msg-assistant")]
+    return [m for m in session.view.query(Message) if m.has_class("msg-assistant")]
 
 
 def test_two_sessions_stream_concurrently_and_blocks_come_and_go(engine):
@@ -126,6 +126,12 @@ def test_broadcast_and_session_keys(engine):
             await pilot.press("ctrl+w")
             assert len(app.sessions) == 2
 
+            await pilot.press("f1")  # the panes keep refreshing under the help screen
+            await pilot.pause(3 * REFRESH_S)
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+
     asyncio.run(run())
 
 
@@ -145,7 +151,7 @@ def test_stop_aborts_and_frees_every_block(engine):
                 await wait_for(pilot, lambda: not session.busy, what="the stopped answer")
             finally:
                 engine.resume()
-            meta = app.transcript(session).query(".msg-meta").last()
+            meta = session.view.query(".msg-meta").last()
             assert "stopped" in str(meta.render())
             snap = engine.snapshot(fresh=True)
             assert snap.requests == ()

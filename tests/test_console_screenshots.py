@@ -57,16 +57,15 @@ def check_svg(path: Path, *needles: str) -> None:
 
 def test_chat_screenshot(smol, out_dir):
     async def run():
-        app = ChatApp(smol, sessions=2, temperature=0.0, max_tokens=300)
+        app = ChatApp(smol, sessions=2, temperature=0.0, max_tokens=400)
         async with app.run_test(size=(150, 44)) as pilot:
             first, second = app.sessions.values()
-            await say(pilot, "What is the capital of France?")
+            await say(pilot, "What is the capital of France?")  # typed: the pilot waits for the answer
             await wait_for(pilot, lambda: not first.busy)
-            await say(pilot, "Tell me three fun facts about Paris.")
-            await pilot.press("alt+right")
-            await say(pilot, "Write a haiku about fast GPUs.")
-            await pilot.press("alt+left")
-            await wait_for(pilot, lambda: len(app.transcript(first).query(Message).last().text) > 200
+            # Asked directly, so both answers are still streaming when the picture is taken.
+            app.ask(first, "Write a short story about a robot who learns to paint.")
+            app.ask(second, "Write a poem about the sea.")
+            await wait_for(pilot, lambda: len(first.view.query(Message).last().text) > 400
                            and len(app.query_one(BlockTable).requests) == 2)
             await pilot.pause(0.3)
             app.save_screenshot(str(out_dir / "chat.svg"))
@@ -75,16 +74,29 @@ def test_chat_screenshot(smol, out_dir):
     check_svg(out_dir / "chat.svg", "Paris", "KV blocks per request", "chat-2")
 
 
+# A shared instruction, so the prompts share their first blocks through the prefix cache.
+PREAMBLE = "You are a patient science teacher. Answer briefly, with one analogy. Question: "
+QUESTIONS = [PREAMBLE + q for q in ("Why is the sky blue?", "How do bees make honey?", "What is a black hole?",
+                                    "Why do cats purr?", "How does a rainbow form?", "Why is the sea salty?")]
+
+
 def test_top_screenshot(smol, out_dir):
     async def run():
+        # Chat prompts share the template's system prefix (shared blocks); staggered arrivals put
+        # requests at different stages (private blocks, compressed targets).
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        load = LoadGenerator(smol, prompt_source(smol, None, 40, seed=0), params, concurrency=8)
+        load = LoadGenerator(smol, prompt_source(smol, QUESTIONS, 0, seed=0), params, concurrency=8, rate=1.5)
         app = TopApp(smol, load)
         async with app.run_test(size=(150, 44)) as pilot:
-            await wait_for(pilot, lambda: smol.snapshot().totals.get("compressions", 0) >= 4)
-            await pilot.press("down", "down")
-            await pilot.press("t")
-            for _ in range(3):
+            def varied():
+                requests = smol.snapshot().requests
+                squeezed = sum(1 for r in requests if r.times_compressed)
+                sharing = sum(1 for r in requests if r.blocks_shared)
+                return squeezed >= 2 and sharing >= 3
+            await wait_for(pilot, varied)
+            app.action_teach()  # pause right away, before the moment passes
+            await pilot.press("down")
+            for _ in range(2):
                 await pilot.press("space")
                 await app.workers.wait_for_complete()
             await pilot.pause(0.3)

@@ -9,8 +9,8 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.service import EngineThread
-from zipage_cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
-from zipage_cli.widgets import PoolMap
+from zipage_cli.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
+from zipage_cli.widgets import PoolMap, drain
 
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=48)
 
@@ -99,3 +99,35 @@ def test_prompts_file_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(["a", "b"])) + "\n")
     assert read_prompts(str(good)) == ["a", "b"]
+
+
+def test_explanations_follow_the_engine_through_new_blocks_preemption_and_finish():
+    """No UI: step a full-KV engine with a tiny pool by hand until it preempts, explaining each step."""
+    service = EngineThread("random:llama-tiny", device="cpu", block_size=16, compression=False, num_kv_blocks=8)
+    events = service.subscribe()
+    try:
+        service.pause()
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        handles = [service.submit(list(range(1 + i, 31 + i)), params) for i in range(3)]
+        seen = {}
+        for _ in range(400):
+            before = service.snapshot(fresh=True)
+            drain(events)
+            after = service.step_once()
+            fresh = drain(events)
+            for event in fresh:
+                note = "\n".join(explain_step(before, after, fresh, event.request))
+                seen.setdefault(event.kind, note)
+            for r in after.requests:
+                note = "\n".join(explain_step(before, after, fresh, r.id))
+                if "got new block" in note:
+                    seen.setdefault("new block", note)
+            if all(h.done for h in handles):
+                break
+        assert "was preempted: the pool ran out of free blocks" in seen["preempted"]
+        assert "got new block" in seen["new block"]
+        assert "finished (length, 60 tokens); its blocks went back to the pool" in seen["finished"]
+        assert "was admitted: its 30-token prompt got 2 block(s)" in seen["admitted"]
+    finally:
+        service.resume()
+        service.close()

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.llm import LLM
+from engine.loader import resolve_model
 
 MODES = ("zipage", "fullkv", "hf")
 SNAPSHOT_EVERY_S = 0.1  # how often a run samples the running-request count
@@ -40,10 +41,9 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
     for name, value in (("num_requests", num_requests), ("input_len", input_len), ("output_len", output_len)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
+    engine_kwargs.pop("model", None)
     engine_kwargs.pop("compression", None)  # the mode decides
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # validates the knobs before any load
-    from engine.loader import resolve_model
-
     vocab = resolve_model(model).hf_config.vocab_size
     prompts = random_prompts(vocab, num_requests, input_len, config.seed)
     results = []
@@ -102,7 +102,6 @@ def hf_model(config: EngineConfig):
     model, or the engine's own seeded random init for a `random:` preset."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import resolve_model
     from engine.model_runner import resolve_device, resolve_dtype
 
     source = resolve_model(config.model)
@@ -110,7 +109,8 @@ def hf_model(config: EngineConfig):
     dtype = resolve_dtype(config.dtype, device)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
-    weights = _random_weights(source.hf_config, config.seed) if source.is_random else source.load_weights()
+    weights = (_random_weights(source.hf_config, config.seed, device, dtype) if source.is_random
+               else source.load_weights())
     missing, unexpected = model.load_state_dict(dict(weights), strict=False)
     tied = bool(getattr(source.hf_config, "tie_word_embeddings", False))
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
@@ -120,11 +120,18 @@ def hf_model(config: EngineConfig):
     return model.eval()
 
 
-def _random_weights(hf_config, seed: int):
-    """The engine's random init (same class, same seed), renamed and split into HF's unfused layout."""
+def _random_weights(hf_config, seed: int, device: torch.device, dtype: torch.dtype):
+    """The engine's random init, renamed and split into HF's unfused layout. Built as the engine's
+    ModelRunner builds it (same class, device, dtype and seed), so the values match exactly."""
     from engine.models import CausalLM
 
-    ours = CausalLM(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            ours = CausalLM(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
     ours.init_random(seed)
     attn = ours.attention_layers[0]
     for name, tensor in ours.state_dict().items():

@@ -20,11 +20,12 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 from engine.service import EngineThread, RequestHandle
 from zipage_cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage_cli.themes import ThemedApp, theme_names
-from zipage_cli.widgets import (BlockTable, EventLog, Gauges, HelpScreen, Throughput, printable,
+from zipage_cli.widgets import (BlockTable, EventLog, Gauges, HelpScreen, Throughput, drain, printable,
                                 session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
+FINISH_LABELS = {"stop": "finished", "length": "reached max tokens", "abort": "stopped"}
 
 CHAT_COMMANDS = SETTING_COMMANDS + """
 /all TEXT     send TEXT to every idle session at once (same as Ctrl+B)
@@ -35,6 +36,7 @@ CHAT_COMMANDS = SETTING_COMMANDS + """
 @dataclass
 class Session:
     conv: Conversation
+    view: VerticalScroll  # the transcript
     handle: RequestHandle | None = None
     busy: bool = False
     stop_requested: bool = False
@@ -64,7 +66,7 @@ class ChatApp(ThemedApp):
     .msg-meta { margin: 0 0 0 2; height: auto; }
     .settings { height: 1; padding: 0 1; }
     #prompt { margin: 0 0; }
-    #blocks { height: 2fr; }
+    #blocks { height: 1fr; }
     #blocks-view { height: auto; }
     #throughput { height: 8; }
     #gauges { height: 6; }
@@ -76,14 +78,17 @@ class ChatApp(ThemedApp):
     """
     ENABLE_COMMAND_PALETTE = False  # its theme picker would bypass the .tcss themes
     BINDINGS = [
-        Binding("f1", "help", "Help"),
-        Binding("ctrl+n", "new_session", "New"),
-        Binding("ctrl+w", "close_session", "Close", priority=True),  # Input binds ctrl+w too
-        Binding("ctrl+pagedown,alt+right", "next_session", "Next"),
-        Binding("ctrl+pageup,alt+left", "previous_session", "Previous", show=False),
-        Binding("ctrl+b", "broadcast", "Send to all"),
-        Binding("escape", "stop", "Stop answer"),
+        Binding("f1", "help", "Help", tooltip="Show keys and commands"),
+        Binding("ctrl+n", "new_session", "New", tooltip="Open a new chat session"),
+        # Input binds ctrl+w (delete word) too; the session key wins.
+        Binding("ctrl+w", "close_session", "Close", priority=True, tooltip="Close this session"),
+        Binding("ctrl+pagedown,alt+right", "next_session", "Next", tooltip="Switch to the next session"),
+        Binding("ctrl+pageup,alt+left", "previous_session", "Previous", show=False,
+                tooltip="Switch to the previous session"),
+        Binding("ctrl+b", "broadcast", "Send to all", tooltip="Send the typed message to every idle session"),
+        Binding("escape", "stop", "Stop answer", tooltip="Stop this session's running answer"),
         ThemedApp.THEME_BINDING,
+        Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
     def __init__(self, engine: EngineThread, theme_name: str = "dark", sessions: int = 1,
@@ -99,24 +104,32 @@ class ChatApp(ThemedApp):
 
     # -- layout --------------------------------------------------------------------
     def compose(self) -> ComposeResult:
+        # Kept as attributes: timers and workers reach them even while the help screen is on top.
+        self.tabs = TabbedContent(id="tabs")
+        self.settings = Static(id="settings", classes="settings")
+        self.prompt = Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
+                            id="prompt")
+        self.block_table = BlockTable(id="blocks-view")
+        self.throughput = Throughput(id="throughput", classes="pane")
+        self.gauges = Gauges(id="gauges", classes="pane")
+        self.event_log = EventLog(id="event-log")
         yield Header(icon="▣")
         with Horizontal():
             with Vertical(id="main"):
-                yield TabbedContent(id="tabs")
-                yield Static(id="settings", classes="settings")
-                yield Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
-                            id="prompt")
+                yield self.tabs
+                yield self.settings
+                yield self.prompt
             with Vertical(id="side"):
                 with VerticalScroll(id="blocks", classes="pane") as pane:
                     pane.border_title = "KV blocks per request"
-                    yield BlockTable(id="blocks-view")
-                with Throughput(id="throughput", classes="pane") as pane:
-                    pane.border_title = "Throughput"
-                with Gauges(id="gauges", classes="pane") as pane:
-                    pane.border_title = "KV pool & memory"
+                    yield self.block_table
+                with self.throughput:
+                    self.throughput.border_title = "Throughput"
+                with self.gauges:
+                    self.gauges.border_title = "KV pool & memory"
                 with Vertical(id="events", classes="pane") as pane:
                     pane.border_title = "Engine events"
-                    yield EventLog(id="event-log")
+                    yield self.event_log
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -124,7 +137,7 @@ class ChatApp(ThemedApp):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
         self.set_interval(REFRESH_S, self.refresh_panes)
-        self.query_one("#prompt", Input).focus()
+        self.prompt.focus()
 
     def on_unmount(self) -> None:
         for session in self.sessions.values():
@@ -133,10 +146,6 @@ class ChatApp(ThemedApp):
         self.engine.unsubscribe(self.events)
 
     # -- sessions ------------------------------------------------------------------
-    @property
-    def tabs(self) -> TabbedContent:
-        return self.query_one("#tabs", TabbedContent)
-
     @property
     def current(self) -> Session | None:
         return self.sessions.get(self.tabs.active)
@@ -147,16 +156,12 @@ class ChatApp(ThemedApp):
         pane_id = session_name_widget_id(name)
         if pane_id in self.sessions:
             raise ValueError(f"a session named {name!r} is already open")
-        session = Session(Conversation(name, **self.defaults))
+        session = Session(Conversation(name, **self.defaults), VerticalScroll(classes="transcript"))
         self.sessions[pane_id] = session
-        await self.tabs.add_pane(TabPane(name, VerticalScroll(classes="transcript"), id=pane_id))
+        await self.tabs.add_pane(TabPane(name, session.view, id=pane_id))
         self.tabs.active = pane_id
         self.show_settings()
         return session
-
-    def transcript(self, session: Session) -> VerticalScroll:
-        pane_id = session_name_widget_id(session.conv.name)
-        return self.query_one(f"#{pane_id} .transcript", VerticalScroll)
 
     async def action_new_session(self) -> None:
         await self.open_session()
@@ -190,7 +195,7 @@ class ChatApp(ThemedApp):
         if session is None:
             return
         state = "answering… (Esc stops)" if session.busy else "idle"
-        self.query_one("#settings", Static).update(f"{session.conv.name}: {state} · {session.conv.settings_line()}")
+        self.settings.update(f"{session.conv.name}: {state} · {session.conv.settings_line()}")
 
     # -- input ---------------------------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -226,8 +231,7 @@ class ChatApp(ThemedApp):
             self.notify(str(e), severity="error")
 
     def action_broadcast(self) -> None:
-        prompt = self.query_one("#prompt", Input)
-        text, prompt.value = prompt.value.strip(), ""
+        text, self.prompt.value = self.prompt.value.strip(), ""
         self.broadcast(text)
 
     def broadcast(self, text: str) -> None:
@@ -254,11 +258,10 @@ class ChatApp(ThemedApp):
     def ask(self, session: Session, prompt: str) -> None:
         if session.busy:
             raise ValueError(f"{session.conv.name} is still answering; Esc stops it")
-        view = self.transcript(session)
-        view.mount(Message(prompt, "msg-user"))
+        session.view.mount(Message(prompt, "msg-user"))
         reply = Message("…", "msg-assistant")
-        view.mount(reply)
-        view.scroll_end(animate=False)
+        session.view.mount(reply)
+        session.view.scroll_end(animate=False)
         session.busy, session.stop_requested = True, False
         self.show_settings()
         self.run_worker(lambda: self.stream(session, prompt, reply), thread=True, group="answers")
@@ -307,9 +310,9 @@ class ChatApp(ThemedApp):
             session.conv.record(prompt, out.text)
             seconds = time.monotonic() - start
             squeezed = out.metrics.get("times_compressed", 0)
-            meta = (f"{len(out.token_ids)} tokens · {len(out.token_ids) / seconds:.1f} tok/s · {out.finish_reason}"
-                    + (f" · KV compressed {squeezed}×" if squeezed else "")
-                    + (" · stopped" if out.finish_reason == "abort" else ""))
+            meta = (f"{len(out.token_ids)} tokens · {len(out.token_ids) / seconds:.1f} tok/s · "
+                    f"{FINISH_LABELS.get(out.finish_reason, out.finish_reason)}"
+                    + (f" · KV compressed {squeezed}×" if squeezed else ""))
             reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
             reply.parent.scroll_end(animate=False)
         self.show_settings()
@@ -317,16 +320,10 @@ class ChatApp(ThemedApp):
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
         snapshot = self.engine.snapshot()
-        self.query_one("#blocks-view", BlockTable).show(snapshot)
-        self.query_one("#throughput", Throughput).show(snapshot)
-        self.query_one("#gauges", Gauges).show(snapshot)
-        fresh = []
-        while len(fresh) < 1000:
-            try:
-                fresh.append(self.events.get_nowait())
-            except queue.Empty:
-                break
-        self.query_one("#event-log", EventLog).add(fresh)
+        self.block_table.show(snapshot)
+        self.throughput.show(snapshot)
+        self.gauges.show(snapshot)
+        self.event_log.add(drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         self.sub_title = (f"{snapshot.model} · {snapshot.device} · {len(self.sessions)} sessions, "
                           f"{running} answering · step {snapshot.step}")

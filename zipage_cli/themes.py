@@ -37,7 +37,7 @@ def theme_css(name: str) -> str:
 class ThemedApp(App):
     """An App whose colours come from a theme file; ctrl+t cycles through the themes."""
 
-    THEME_BINDING = Binding("ctrl+t", "cycle_theme", "Theme")
+    THEME_BINDING = Binding("ctrl+t", "cycle_theme", "Theme", tooltip="Cycle the colour themes")
 
     def __init__(self, theme_name: str = "dark"):
         super().__init__()

@@ -28,7 +28,7 @@ from engine.config import SamplingParams
 from engine.events import EngineSnapshot, Event, RequestInfo
 from engine.service import EngineThread
 from zipage_cli.themes import ThemedApp
-from zipage_cli.widgets import EventLog, Gauges, HelpScreen, PoolMap, Throughput, describe_event
+from zipage_cli.widgets import EventLog, Gauges, HelpScreen, PoolMap, Throughput, describe_event, drain
 
 REFRESH_S = 0.25
 
@@ -68,6 +68,15 @@ def synthetic_prompts(tokenizer, input_len: int, seed: int = 0) -> Iterator[list
         yield [rng.choice(vocab) for _ in range(input_len)]
 
 
+def prompt_source(engine: EngineThread, texts: list[str] | None, input_len: int, seed: int) -> Iterator:
+    """Cycle the given prompts (through the chat template when the model has one), or synthesise."""
+    if texts is None:
+        return synthetic_prompts(engine.tokenizer, input_len, seed)
+    if getattr(engine.tokenizer, "chat_template", None):
+        return itertools.cycle([[{"role": "user", "content": t}] for t in texts])
+    return itertools.cycle(texts)
+
+
 class LoadGenerator:
     """Keeps up to `concurrency` requests in flight, starting at most `rate` per second (None: no cap)."""
 
@@ -98,7 +107,7 @@ class LoadGenerator:
             if self.stop.is_set():
                 return
             if self.rate:
-                next_at = max(next_at, time.monotonic() - 1.0) + 1.0 / self.rate
+                next_at = time.monotonic() + 1.0 / self.rate
             try:
                 in_flight.append(self.engine.submit(prompt, self.params, session=f"load-{self.submitted}"))
             except (ValueError, RuntimeError) as e:
@@ -235,8 +244,8 @@ class TopApp(ThemedApp):
     #right { width: 1fr; min-width: 40; max-width: 60; }
     .pane { padding: 0 1; }
     #requests { height: 1fr; min-height: 6; }
-    #pool-pane { height: 1fr; min-height: 6; }
-    PoolMap { height: 1fr; }
+    #pool-pane { height: auto; max-height: 60%; }
+    PoolMap { height: auto; }
     #explain-pane { height: auto; max-height: 16; display: none; }
     #explain-pane.teaching { display: block; }
     #throughput { height: 8; }
@@ -247,11 +256,11 @@ class TopApp(ThemedApp):
     #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
     """
     BINDINGS = [
-        Binding("f1,question_mark", "help", "Help"),
-        Binding("t", "teach", "Teach"),
-        Binding("space,n", "step", "Step"),
+        Binding("f1,question_mark", "help", "Help", tooltip="Show keys and what the panes mean"),
+        Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
+        Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
         ThemedApp.THEME_BINDING,
-        Binding("q", "quit", "Quit"),
+        Binding("q,ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
     def __init__(self, engine: EngineThread, load: LoadGenerator | None = None, theme_name: str = "dark",
@@ -264,65 +273,67 @@ class TopApp(ThemedApp):
         self.stepping = False
 
     def compose(self) -> ComposeResult:
+        # Kept as attributes: timers and workers reach them even while the help screen is on top.
+        self.table = DataTable(id="requests", classes="pane", cursor_type="row", zebra_stripes=True)
+        self.pool = PoolMap(id="pool")
+        self.explain_pane = Vertical(id="explain-pane", classes="pane")
+        self.explain = Static(TEACH_INTRO, id="explain", classes="explain")
+        self.throughput = Throughput(id="throughput", classes="pane")
+        self.gauges = Gauges(id="gauges", classes="pane")
+        self.event_log = EventLog(id="event-log")
         yield Header(icon="▣")
         with Horizontal():
             with Vertical(id="left"):
-                table = DataTable(id="requests", classes="pane", cursor_type="row", zebra_stripes=True)
-                table.border_title = "Requests"
-                yield table
+                self.table.border_title = "Requests"
+                yield self.table
                 with Vertical(id="pool-pane", classes="pane") as pane:
                     pane.border_title = "Block pool (colour = request, glyph = role)"
-                    yield PoolMap(id="pool")
-                with Vertical(id="explain-pane", classes="pane") as pane:
-                    pane.border_title = "Teaching mode: one step per key press"
-                    yield Static(TEACH_INTRO, id="explain", classes="explain")
+                    yield self.pool
+                with self.explain_pane:
+                    self.explain_pane.border_title = "Teaching mode: one step per key press"
+                    yield self.explain
             with Vertical(id="right"):
-                with Throughput(id="throughput", classes="pane") as pane:
-                    pane.border_title = "Throughput"
-                with Gauges(id="gauges", classes="pane") as pane:
-                    pane.border_title = "KV pool & memory"
+                with self.throughput:
+                    self.throughput.border_title = "Throughput"
+                with self.gauges:
+                    self.gauges.border_title = "KV pool & memory"
                 with Vertical(id="events", classes="pane") as pane:
                     pane.border_title = "Engine events"
-                    yield EventLog(id="event-log")
+                    yield self.event_log
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#requests", DataTable).add_columns(*COLUMNS)
+        self.table.add_columns(*COLUMNS)
         if self.start_teaching:
             self.action_teach()
         if self.load is not None:
             self.load.start()
         self.refresh_panes()
         self.set_interval(REFRESH_S, self.refresh_panes)
-        self.query_one("#requests", DataTable).focus()
+        self.table.focus()
 
     def on_unmount(self) -> None:
         if self.load is not None:
             self.load.close()
-        self.engine.unsubscribe(self.events)
-        self.engine.resume()
+        for q in (self.events, self.teach_events):
+            if q is not None:
+                self.engine.unsubscribe(q)
+        self.engine.resume()  # never leave a paused engine behind
 
     @property
     def selected(self) -> int | None:
-        table = self.query_one("#requests", DataTable)
-        if not table.row_count:
+        if not self.table.row_count:
             return None
-        return int(table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value)
+        return int(self.table.coordinate_to_cell_key((self.table.cursor_row, 0)).row_key.value)
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
         snapshot = self.engine.snapshot()
         self.show_requests(snapshot)
-        self.query_one("#pool", PoolMap).show(snapshot, self.selected)
-        self.query_one("#throughput", Throughput).show(snapshot)
-        self.query_one("#gauges", Gauges).show(snapshot)
-        fresh = []
-        while len(fresh) < 1000:
-            try:
-                fresh.append(self.events.get_nowait())
-            except queue.Empty:
-                break
-        self.query_one("#event-log", EventLog).add(fresh)
+        self.pool.show(snapshot, self.selected)
+        self.throughput.show(snapshot)
+        self.gauges.show(snapshot)
+        self.event_log.add(drain(self.events))
         mode = "TEACHING (paused)" if self.engine.paused else "live"
         load = f" · load: {self.load.submitted} sent" if self.load else ""
         if self.load and self.load.error:
@@ -332,31 +343,30 @@ class TopApp(ThemedApp):
 
     def show_requests(self, snapshot: EngineSnapshot) -> None:
         """Update rows in place so the cursor stays on the same request."""
-        table = self.query_one("#requests", DataTable)
+        table = self.table
         live = {str(r.id): r for r in snapshot.requests}
         for key in [k for k in table.rows if k.value not in live]:
             table.remove_row(key)
         for key, r in live.items():
             if key in table.rows:
                 for column, value in zip(table.columns, row_cells(r)):
-                    table.update_cell(key, column, value)
+                    table.update_cell(key, column, value, update_width=True)
             else:
                 table.add_row(*row_cells(r), key=key)
         table.border_subtitle = f"{len(live)} live · ↑/↓ selects"
 
     # -- teaching mode -------------------------------------------------------------
     def action_teach(self) -> None:
-        pane = self.query_one("#explain-pane")
         if self.engine.paused:
             self.engine.resume()
             self.engine.unsubscribe(self.teach_events)
             self.teach_events = None
-            pane.remove_class("teaching")
+            self.explain_pane.remove_class("teaching")
         else:
             self.engine.pause()
             self.teach_events = self.engine.subscribe()
-            self.query_one("#explain", Static).update(TEACH_INTRO)
-            pane.add_class("teaching")
+            self.explain.update(TEACH_INTRO)
+            self.explain_pane.add_class("teaching")
 
     def action_step(self) -> None:
         if not self.engine.paused:
@@ -372,45 +382,27 @@ class TopApp(ThemedApp):
         """Worker thread: one engine step, bracketed by snapshots, then its explanation."""
         try:
             before = self.engine.snapshot(fresh=True)
-            self._drain(self.teach_events)
+            drain(self.teach_events)  # events from before this step
             after = self.engine.step_once()
-            lines = explain_step(before, after, self._drain(self.teach_events), selected)
+            lines = explain_step(before, after, drain(self.teach_events), selected)
         finally:
             self.stepping = False
         self.call_from_thread(self.show_step, lines)
-
-    @staticmethod
-    def _drain(q: queue.Queue | None) -> list[Event]:
-        events = []
-        while q is not None:
-            try:
-                events.append(q.get_nowait())
-            except queue.Empty:
-                break
-        return events
 
     def show_step(self, lines: list[str]) -> None:
         text = Text()
         for i, line in enumerate(lines):
             text.append(line + "\n", "bold" if i == 0 else "")
         text.append("space: next step · ↑/↓: follow another request · t: run freely", "italic")
-        self.query_one("#explain", Static).update(text)
+        self.explain.update(text)
         self.refresh_panes()
 
     def action_help(self) -> None:
-        notes = ("Teaching mode pauses the engine; each step key runs exactly one engine step (one forward "
-                 "pass) and explains it for the selected request: admission, prefill, which block and slot "
+        notes = ("Teaching mode pauses the engine; each step key runs exactly one engine step (normally one "
+                 "forward pass) and explains it for the selected request: admission, prefill, which block and slot "
                  "a decoded token went to, new blocks, compressions (blocks before/after, tokens evicted), "
                  "preemptions and finishes.\n\nThe block pool map draws every KV block: colour = owning "
                  "request, glyph = role; dim dots are free blocks, small squares free blocks that still "
                  "cache a prefix.")
         self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS, notes))
 
-
-def prompt_source(engine: EngineThread, texts: list[str] | None, input_len: int, seed: int) -> Iterator:
-    """Cycle the given prompts (through the chat template when the model has one), or synthesise."""
-    if texts is None:
-        return synthetic_prompts(engine.tokenizer, input_len, seed)
-    if getattr(engine.tokenizer, "chat_template", None):
-        return itertools.cycle([[{"role": "user", "content": t}] for t in texts])
-    return itertools.cycle(texts)

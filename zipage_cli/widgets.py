@@ -7,6 +7,7 @@ component classes, so the theme files (.tcss) restyle them and a theme switch re
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
 
@@ -17,7 +18,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Sparkline, Static
 
-from engine.events import EngineSnapshot, Event, RequestInfo
+from engine.events import EVENT_KINDS, EngineSnapshot, Event, RequestInfo
 
 ROLES = ("shared", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
@@ -25,7 +26,6 @@ GLYPHS = {"shared": "◆", "private": "■", "target": "▣", "decode": "▶", "
 ROLE_LABELS = {"shared": "shared prefix", "private": "private", "target": "compressed target",
                "decode": "decode", "cached": "free, cached prefix", "free": "free"}
 OWNER_COLOURS = 6  # the pool map cycles owner--0 .. owner--5 from the theme
-EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")
 
 # C0 control characters (but newline and tab) as their visible "control pictures": a random-weight
 # model emits arbitrary bytes, and a raw escape must never reach the terminal.
@@ -36,12 +36,24 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL_PICTURES)
 
 
+def drain(q: queue.Queue) -> list:
+    """Everything waiting in a subscription queue, without blocking."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
-    return f"{n:.1f} TiB"
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def fmt_rate(tok_s: float) -> str:
@@ -53,16 +65,15 @@ def describe_event(event: Event) -> str:
     d = event.details
     if event.kind == "admitted":
         cached = d.get("cached_tokens", 0)
-        return (f"admitted: {d.get('prompt_tokens')} prompt tokens into {d.get('blocks')} blocks"
-                + (f", {cached} from the prefix cache" if cached else ""))
+        return (f"admitted: {d.get('prompt_tokens')}-token prompt, {d.get('blocks')} blocks"
+                + (f", {cached} tokens cached" if cached else ""))
     if event.kind == "prefilled":
-        return f"prefilled {d.get('tokens')} tokens in {1000 * d.get('seconds', 0):.0f} ms"
+        return f"prefilled {d.get('tokens')} tokens ({1000 * d.get('seconds', 0):.0f} ms)"
     if event.kind == "compressed":
         return (f"compressed {d.get('blocks_before')}→{d.get('blocks_after')} blocks, "
-                f"evicted {d.get('evicted_per_layer')} tokens per layer "
-                f"({1000 * d.get('seconds', 0):.1f} ms)")
+                f"−{d.get('evicted_per_layer')} tokens/layer ({1000 * d.get('seconds', 0):.1f} ms)")
     if event.kind == "preempted":
-        return f"preempted after {d.get('output_tokens')} tokens: blocks freed, queued to recompute"
+        return f"preempted after {d.get('output_tokens')} tokens: blocks freed, requeued"
     if event.kind == "error":
         return f"error: {d.get('error', '?')}"
     return f"{event.kind} ({d.get('reason', '')}, {d.get('output_tokens', 0)} tokens)"
@@ -97,24 +108,21 @@ class BlockTable(RoleStyled):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.requests: tuple[RequestInfo, ...] = ()
-        self.block_size = 0
 
     def show(self, snapshot: EngineSnapshot) -> None:
         self.requests = snapshot.requests
-        self.block_size = snapshot.pool.block_size
-        self.refresh()
+        self.refresh(layout=True)  # the number of lines changes with the requests
 
     def render(self) -> Text:
-        text = Text(no_wrap=False)
+        text = Text()
         if not self.requests:
             text.append("no request holds blocks right now\n", self.style_for("dim"))
         for r in sorted(self.requests, key=lambda r: r.id):
             text.append(f"#{r.id} {r.session or '-'} ", "bold")
-            squeezed = f" ×{r.times_compressed} compressed" if r.times_compressed else ""
-            text.append(f"{r.status} · kv {r.kv_len} tok · {len(r.block_table)} blk{squeezed}\n",
-                        self.style_for("dim"))
+            squeezed = f" · compressed {r.times_compressed}×" if r.times_compressed else ""
+            text.append(f"{r.status} · kv {r.kv_len}{squeezed}\n", self.style_for("dim"))
             for role in r.block_roles:
-                text.append(GLYPHS[role], self.style_for(f"role--{role}"))
+                text.append(GLYPHS[role] + " ", self.style_for(f"role--{role}"))
             text.append("\n")
         text.append("\n")
         text.append_text(self.legend())
@@ -152,27 +160,39 @@ class PoolMap(RoleStyled):
         while len(self.cached) > snapshot.pool.cached:
             del self.cached[next(iter(self.cached))]
         self.owned, self.full_blocks = owned, full
+        resized = self.snapshot is None
         self.snapshot, self.selected = snapshot, selected
-        self.refresh()
+        self.refresh(layout=resized)
+
+    MAX_ROWS = 16  # past this, several blocks share a glyph
+
+    def layout(self, width: int) -> tuple[int, int, int]:
+        """(columns per glyph, blocks per glyph, glyphs per row): two columns per block while the pool
+        fits that way (easier to read), else one; a pool too large even then shares glyphs."""
+        total = self.snapshot.pool.total if self.snapshot else 0
+        width = max(8, width)
+        spacing = 2 if total * 2 <= width * self.MAX_ROWS else 1
+        per_row = width // spacing
+        return spacing, max(1, -(-total // (per_row * self.MAX_ROWS))), per_row
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        if self.snapshot is None:
+            return 1
+        _, per_cell, per_row = self.layout(width)
+        return -(-self.snapshot.pool.total // (per_cell * per_row)) + 3  # rows, a blank line, the legend
 
     def render(self) -> Text:
         if self.snapshot is None:
             return Text("waiting for the first snapshot…")
         total = self.snapshot.pool.total
-        rows = max(1, self.content_size.height - 3)
-        # Two columns per block while the pool fits that way (easier to read), else one; a pool too
-        # large even then draws several blocks per glyph.
-        spacing = 2 if total * 2 <= self.content_size.width * rows else 1
-        width = max(8, self.content_size.width // spacing)
-        per_cell = -(-total // (width * rows))
+        spacing, per_cell, per_row = self.layout(self.content_size.width)
         text = Text()
-        for start in range(0, total, per_cell):
+        for cell, start in enumerate(range(0, total, per_cell)):
             glyph, style = self._cell(range(start, min(start + per_cell, total)))
-            text.append(glyph, style)
-            text.append(" " * (spacing - 1))
-            if (start // per_cell + 1) % width == 0:
+            text.append(glyph + " " * (spacing - 1), style)
+            if (cell + 1) % per_row == 0:
                 text.append("\n")
-        text.append("\n")
+        text.append("\n\n")
         text.append_text(self.legend((*ROLES, "cached", "free")))
         if per_cell > 1:
             text.append(f" (one glyph = {per_cell} blocks)", self.style_for("dim"))
@@ -223,7 +243,7 @@ class EventLog(Static):
 
 
 class Throughput(Vertical):
-    """Prefill and decode tokens/s: the current value and a sparkline of the last minute."""
+    """Prefill and decode tokens/s: the current value and a sparkline of the last half minute."""
 
     HISTORY = 120  # samples, at the console's refresh rate
 
@@ -231,24 +251,24 @@ class Throughput(Vertical):
         super().__init__(**kwargs)
         self.prefill: deque[float] = deque([0.0] * self.HISTORY, maxlen=self.HISTORY)
         self.decode: deque[float] = deque([0.0] * self.HISTORY, maxlen=self.HISTORY)
+        self.prefill_label, self.decode_label = Label(), Label()
+        self.prefill_spark = Sparkline(list(self.prefill), id="prefill-spark")
+        self.decode_spark = Sparkline(list(self.decode), id="decode-spark")
 
     def compose(self) -> ComposeResult:
-        yield Label(id="prefill-label")
-        yield Sparkline(list(self.prefill), id="prefill-spark")
-        yield Label(id="decode-label")
-        yield Sparkline(list(self.decode), id="decode-spark")
+        yield from (self.prefill_label, self.prefill_spark, self.decode_label, self.decode_spark)
 
     def show(self, snapshot: EngineSnapshot) -> None:
         self.prefill.append(snapshot.throughput.prefill)
         self.decode.append(snapshot.throughput.decode)
-        self.query_one("#prefill-label", Label).update(f"prefill {fmt_rate(snapshot.throughput.prefill)} tok/s")
-        self.query_one("#decode-label", Label).update(f"decode  {fmt_rate(snapshot.throughput.decode)} tok/s")
-        self.query_one("#prefill-spark", Sparkline).data = list(self.prefill)
-        self.query_one("#decode-spark", Sparkline).data = list(self.decode)
+        self.prefill_label.update(f"prefill {fmt_rate(snapshot.throughput.prefill)} tok/s")
+        self.decode_label.update(f"decode  {fmt_rate(snapshot.throughput.decode)} tok/s")
+        self.prefill_spark.data = list(self.prefill)
+        self.decode_spark.data = list(self.decode)
 
 
 class Gauge(Static):
-    """A labelled horizontal bar: `label [████░░░░] detail`."""
+    """A labelled horizontal bar: `label ████░░░░ detail`."""
 
     COMPONENT_CLASSES = {"gauge--fill", "gauge--empty", "gauge--label"}
 
@@ -275,23 +295,25 @@ class Gauge(Static):
 
 
 class Gauges(Vertical):
-    """KV pool blocks, query slots, KV bytes against device memory, and device memory in use."""
+    """KV pool blocks, query slots, KV bytes in use, and the process's (or GPU's) memory."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks, self.slots = Gauge("blocks"), Gauge("q-slots")
+        self.kv, self.memory = Gauge("KV"), Gauge("memory")
 
     def compose(self) -> ComposeResult:
-        yield Gauge("blocks", id="gauge-blocks")
-        yield Gauge("q-slots", id="gauge-slots")
-        yield Gauge("KV", id="gauge-kv")
-        yield Gauge("memory", id="gauge-memory")
+        yield from (self.blocks, self.slots, self.kv, self.memory)
 
     def show(self, snapshot: EngineSnapshot) -> None:
         pool, mem = snapshot.pool, snapshot.memory
-        self.query_one("#gauge-blocks", Gauge).set(pool.used, pool.total, f"{pool.used}/{pool.total}")
-        self.query_one("#gauge-slots", Gauge).set(pool.query_slots_used, pool.query_slots_total,
-                                                  f"{pool.query_slots_used}/{pool.query_slots_total}")
+        self.blocks.set(pool.used, pool.total, f"{pool.used}/{pool.total}")
+        self.slots.set(pool.query_slots_used, pool.query_slots_total,
+                       f"{pool.query_slots_used}/{pool.query_slots_total}")
         kv_used = mem.kv * pool.used / pool.total if pool.total else 0
-        self.query_one("#gauge-kv", Gauge).set(kv_used, mem.kv, f"{fmt_bytes(kv_used)}/{fmt_bytes(mem.kv)}")
-        self.query_one("#gauge-memory", Gauge).set(mem.device_used, mem.device_total,
-                                                   f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")
+        self.kv.set(kv_used, mem.kv, f"{fmt_bytes(kv_used)}/{fmt_bytes(mem.kv)}")
+        self.memory.set(mem.device_used, mem.device_total,
+                        f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")
 
 
 class HelpScreen(ModalScreen):
@@ -309,10 +331,9 @@ class HelpScreen(ModalScreen):
         text = Text()
         text.append(f"{self.title_text}\n\n", "bold")
         for b in self.bindings:
-            if b.description:
-                keys = ", ".join(k.strip() for k in b.key.split(","))
-                text.append(f"  {keys:<24}", "bold")
-                text.append(f"{b.description}\n")
+            keys = ", ".join(k.strip() for k in b.key.split(","))
+            text.append(f"  {keys:<26}", "bold")
+            text.append(f"{b.tooltip or b.description}\n")
         if self.notes:
             text.append(f"\n{self.notes}\n")
         text.append("\nEsc or F1 closes this help.", "italic")

@@ -1,0 +1,50 @@
+"""`run_bench`: the three modes on one tiny model, and the transformers model holding exactly the
+engine's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.config import EngineConfig
+from zipage_cli.bench import hf_model, run_bench
+
+KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=1, num_kv_blocks=32)
+
+
+@pytest.mark.parametrize("preset", ["random:llama-tiny", "random:qwen3-tiny"])
+def test_hf_model_has_the_engine_weights(preset):
+    llm = LLM(preset, **KNOBS)
+    ours = dict(llm.engine.runner.model.state_dict())
+    llm.engine.close()
+    theirs = hf_model(EngineConfig.from_kwargs(preset, **KNOBS)).state_dict()
+    for name, tensor in ours.items():
+        if ".qkv_proj." in name:
+            parts = [theirs[name.replace(".qkv_proj.", f".{p}.")] for p in ("q_proj", "k_proj", "v_proj")]
+            expected = torch.cat(parts)
+        elif ".gate_up_proj." in name:
+            expected = torch.cat([theirs[name.replace(".gate_up_proj.", f".{p}.")] for p in ("gate_proj", "up_proj")])
+        else:
+            expected = theirs[name]
+        assert torch.equal(tensor, expected), name
+
+
+def test_run_bench_reports_every_mode():
+    seen = []
+    results = run_bench("random:llama-tiny", ["fullkv", "zipage"], num_requests=3, input_len=10, output_len=40,
+                        engine_kwargs=KNOBS, progress=lambda mode, done, total: seen.append((mode, done, total)))
+    fullkv, zipage = results["results"]
+    assert (fullkv["mode"], zipage["mode"]) == ("fullkv", "zipage")
+    assert fullkv["output_tokens"] == zipage["output_tokens"] == 120
+    assert fullkv["ratio"] == 1.0 and zipage["ratio"] == pytest.approx(zipage["tokens_per_s"] / fullkv["tokens_per_s"])
+    assert ("zipage", 3, 3) in seen and ("fullkv", 3, 3) in seen
+
+
+def test_run_bench_rejects_bad_settings():
+    with pytest.raises(ValueError, match="unknown mode 'vllm'"):
+        run_bench("random:llama-tiny", ["vllm"], 1, 1, 1)
+    with pytest.raises(ValueError, match="output_len=0"):
+        run_bench("random:llama-tiny", ["zipage"], 1, 1, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        run_bench("random:llama-tiny", ["zipage"], 1, 1, 1, {"block_size": 3})
