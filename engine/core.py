@@ -6,6 +6,7 @@ background thread.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
@@ -111,7 +112,11 @@ class EngineCore:
                 raise ValueError("prompt is empty")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            try:
+                ids = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            except TypeError:
+                bad = next(t for t in prompt if not isinstance(t, int))
+                raise ValueError(f"prompt token ids must be integers, got {bad!r}") from None
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -119,6 +124,16 @@ class EngineCore:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty")
+        return ids
+
+    def check_prompt(self, ids: list[int]) -> list[int]:
+        """ValueError unless the prompt fits max_model_len and the KV pool with room for one token."""
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt has {len(ids)} tokens but the KV pool holds only "
+                             f"{self.blocks.num_blocks * self.block_size}")
         return ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -136,13 +151,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
-        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt has {len(ids)} tokens but the KV pool holds only "
-                             f"{self.blocks.num_blocks * self.block_size}")
+        ids = self.check_prompt(self.encode_prompt(prompt))
         seq = Sequence(ids, params, session=session)
         self.requests[seq.id] = seq
         if stream or params.stop:
@@ -181,6 +190,8 @@ class EngineCore:
         for seq in batch.preempted:
             self.totals["preemptions"] += 1
             self._event("preempted", seq, output_tokens=seq.num_output_tokens)
+        for seq in batch.exhausted:  # longer than the whole pool: it can never run again
+            outputs.append(self._finish(seq, "length", error="the KV pool cannot hold this request any longer"))
         for job in batch.compress:
             outputs += self._start_compression(job)
         if not batch.seqs:

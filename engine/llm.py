@@ -6,6 +6,8 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core import EngineCore, RequestOutput
 from engine.events import EngineSnapshot
 
+STALL_STEPS = 10_000  # steps without a forward pass or an event before generate() gives up
+
 
 class LLM:
     """Runs batches of prompts to completion on an in-process engine.
@@ -39,7 +41,7 @@ class LLM:
         else:
             param_list = [params or SamplingParams()] * len(prompts)
         for p in prompts:  # validate all before running any
-            self.engine.encode_prompt(p)
+            self.engine.check_prompt(self.engine.encode_prompt(p))
         seqs = [self.engine.add_request(p, sp, session=sessions[i] if sessions else None)
                 for i, (p, sp) in enumerate(zip(prompts, param_list))]
         return self._run_until_done(seqs)
@@ -55,12 +57,17 @@ class LLM:
     def _run_until_done(self, seqs) -> list[RequestOutput]:
         pending = {s.id: i for i, s in enumerate(seqs)}
         results: list[RequestOutput | None] = [None] * len(seqs)
+        idle_steps = 0
         while pending:
             if not self.engine.has_work():
                 raise RuntimeError("engine stopped with requests unfinished")
+            before = (self.engine.step_count, self.engine.event_count)
             for out in self.engine.step():
                 if out.finished and out.id in pending:
                     results[pending.pop(out.id)] = out
+            idle_steps = idle_steps + 1 if (self.engine.step_count, self.engine.event_count) == before else 0
+            if idle_steps > STALL_STEPS:
+                raise RuntimeError(f"engine made no progress in {STALL_STEPS} steps with requests waiting")
         return results  # type: ignore[return-value]
 
     def snapshot(self) -> EngineSnapshot:

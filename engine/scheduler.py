@@ -20,6 +20,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     compress: list = field(default_factory=list)  # CompressionJobs planned this step, to start
+    exhausted: list[Sequence] = field(default_factory=list)  # outgrew the whole pool: must end
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its newest token this step and so samples a next one."""
@@ -131,7 +132,7 @@ class Scheduler:
         return ScheduledBatch(True, seqs, counts, admitted=admitted)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs, preempted, compress = [], [], []
+        seqs, preempted, compress, exhausted = [], [], [], []
         queue = [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
         while queue:
             seq = queue.pop(0)
@@ -146,6 +147,9 @@ class Scheduler:
                 continue  # its next query belongs to the window: it waits for a slot
             while not self.blocks.append_block(seq):
                 victim = self._pick_victim(exclude=seq)
+                if victim is None and self.blocks.blocks_for(seq.kv_len + 1) > self.blocks.num_blocks:
+                    exhausted.append(seq)  # not even the whole pool would hold it: recompute can't help
+                    break
                 if victim is None:
                     victim = seq if self._preemptible(seq) else None
                 if victim is None:
@@ -160,9 +164,10 @@ class Scheduler:
                     break
             else:
                 seqs.append(seq)
-        if not seqs and not preempted and not compress:
+        if not seqs and not preempted and not compress and not exhausted:
             return None
-        return ScheduledBatch(False, seqs, [1] * len(seqs), preempted=preempted, compress=compress)
+        return ScheduledBatch(False, seqs, [1] * len(seqs), preempted=preempted, compress=compress,
+                              exhausted=exhausted)
 
     def _reserve_for_compression(self, seq, preempted, queue, scheduled) -> bool:
         """Make sure the fresh blocks a compression needs (to replace shared prefix blocks) are free,
