@@ -39,24 +39,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q_heads // kv_heads
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_tables[:, :num_blocks].long()
-    valid_block = table >= 0
-    table = table.clamp(min=0)
-    # [batch, tokens, kv_heads, head_dim]
-    keys = k_cache[table].flatten(1, 2).float()
-    values = v_cache[table].flatten(1, 2).float()
-    q = query.float().view(batch, kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", q, keys) * scale
-    positions = torch.arange(keys.shape[1], device=query.device)
-    mask = positions[None, :] < context_lens[:, None].to(positions.device)
-    mask &= valid_block.repeat_interleave(block_size, dim=1)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, values)
-    return out.reshape(batch, q_heads, head_dim).to(query.dtype)
+    width = block_tables.shape[1]
+    table = block_tables.long()
+    flat = table.clamp(min=0).flatten()
+    # [batch, tokens, kv_heads, head_dim], read through the block table
+    keys = k_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
+    values = v_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
+    positions = torch.arange(width * block_size, device=query.device)
+    visible = positions[None, :] < context_lens[:, None].to(positions.device)
+    visible &= (table >= 0).repeat_interleave(block_size, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.view(batch, q_heads, 1, head_dim), keys.transpose(1, 2).to(query.dtype),
+        values.transpose(1, 2).to(query.dtype), attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=True)
+    return out.view(batch, q_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
