@@ -4,7 +4,8 @@
     python benchmarks/cpu_throughput.py                 # 16 chat prompts x 128 greedy tokens, SmolLM2
     python benchmarks/cpu_throughput.py --json out.json
 
-Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, fp32.
+Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, in --dtype
+(float32 by default; bfloat16 uses the CPU's bf16 matrix units where it has them).
 Throughput = generated tokens / wall time of the whole batch (prefill included). Each mode runs
 once untimed (warm-up) and then --repeats timed runs; the median is reported.
 """
@@ -47,7 +48,7 @@ def run_zipage(llm, prompts, output_len: int):
     return once
 
 
-def hf_model(llm):
+def hf_model(llm, dtype: torch.dtype):
     """The transformers model on the very weights the engine loaded."""
     from transformers import AutoModelForCausalLM
 
@@ -55,8 +56,8 @@ def hf_model(llm):
     if path.endswith(".gguf"):
         import os
         folder, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def run_hf_generate(model, tokenizer, prompts, output_len: int):
@@ -108,6 +109,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -117,7 +119,8 @@ def main(argv=None) -> dict:
     modes = args.modes.split(",")
     from engine import LLM
 
-    llm = LLM(args.model, device="cpu", compression=True)
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True)
+    results["dtype"] = args.dtype
     prompts = chat_prompts(llm.tokenizer, args.num_requests)
     results["prompt_tokens"] = [len(p) for p in prompts]
     hf = None
@@ -125,12 +128,13 @@ def main(argv=None) -> dict:
         if mode == "zipage":
             once = run_zipage(llm, prompts, args.output_len)
         elif mode == "fullkv":
-            once = run_zipage(LLM(args.model, device="cpu", compression=False), prompts, args.output_len)
+            once = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False), prompts,
+                              args.output_len)
         elif mode == "hf-generate":
-            hf = hf or hf_model(llm)
+            hf = hf or hf_model(llm, getattr(torch, args.dtype))
             once = run_hf_generate(hf, llm.tokenizer, prompts, args.output_len)
         elif mode == "hf-generate-batch":
-            hf = hf or hf_model(llm)
+            hf = hf or hf_model(llm, getattr(torch, args.dtype))
             once = run_hf_generate_batch(hf, prompts, args.output_len)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
