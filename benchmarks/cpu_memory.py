@@ -50,6 +50,8 @@ def measure(source, compression: bool, args) -> dict:
         "preemptions": engine.totals["preemptions"], "compressions": engine.totals["compressions"],
         "generated_tokens": engine.totals["generated_tokens"], "seconds": round(seconds, 1),
         "tok_per_s": engine.totals["generated_tokens"] / seconds,
+        # mean requests served per forward pass: concurrency where it counts, over the whole run
+        "mean_tokens_per_forward": engine.totals["generated_tokens"] / max(engine.step_count, 1),
     }
     engine.close()
     return result

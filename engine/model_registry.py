@@ -143,7 +143,7 @@ _TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=128,
-    max_position_embeddings=2048,
+    max_position_embeddings=8192,  # long enough for multi-thousand-token generations in demos
     rms_norm_eps=1e-6,
 )
 
