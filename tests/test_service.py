@@ -172,7 +172,7 @@ def test_submit_bad_input_raises_in_caller_and_service_keeps_running(service, ti
     with pytest.raises(ValueError, match="top_p"):
         service.submit("ok", SamplingParams(top_p=2.0))
     with pytest.raises(ValueError, match="max_model_len"):
-        service.submit([5] * 5000, greedy(4))
+        service.submit([5] * service.engine.max_model_len, greedy(4))
     with pytest.raises(ValueError, match="KV pool"):
         service.submit([5] * 1100, greedy(4))  # 64 blocks of 16 hold 1024 tokens
     assert service.failure is None
