@@ -325,5 +325,6 @@ class ChatApp(ThemedApp):
         self.gauges.show(snapshot)
         self.event_log.add(drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
-        self.sub_title = (f"{snapshot.model} · {snapshot.device} · {len(self.sessions)} sessions, "
+        count = len(self.sessions)
+        self.sub_title = (f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "
                           f"{running} answering · step {snapshot.step}")
