@@ -63,7 +63,10 @@ class BlockManager:
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a reusable prefix."""
-        return sum(1 for i in self.free_ids if self.blocks[i].hash != NO_HASH)
+        return len(self.cached_free_ids())
+
+    def cached_free_ids(self) -> list[int]:
+        return [i for i in self.free_ids if self.blocks[i].hash != NO_HASH]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -347,8 +347,9 @@ class EngineCore:
                 block_roles=roles, blocks_shared=roles.count(ROLE_SHARED),
                 times_compressed=seq.times_compressed, query_slot=seq.query_slot,
                 tokens_per_s=seq.num_output_tokens / elapsed if elapsed > 0 else 0.0))
+        cached_blocks = tuple(self.blocks.cached_free_ids())
         pool = PoolInfo(total=self.blocks.num_blocks, free=self.blocks.num_free, used=self.blocks.num_used,
-                        cached=self.blocks.num_cached_free, block_size=self.block_size,
+                        cached=len(cached_blocks), cached_blocks=cached_blocks, block_size=self.block_size,
                         query_slots_total=self.scheduler.num_query_slots,
                         query_slots_used=self.scheduler.slots_used)
         return EngineSnapshot(

@@ -52,6 +52,7 @@ class PoolInfo:
     block_size: int
     query_slots_total: int
     query_slots_used: int
+    cached_blocks: tuple[int, ...] = ()  # ids of the free blocks that still hold a reusable prefix
 
 
 @dataclass(frozen=True)

@@ -130,36 +130,22 @@ class BlockTable(RoleStyled):
 
 
 class PoolMap(RoleStyled):
-    """Every block of the pool: glyph by role, colour by owning request; free blocks dim.
-
-    Snapshots count cached free blocks but do not say which they are, so the map infers them:
-    full blocks of uncompressed requests that were freed, newest kept (the pool reuses the
-    least recently freed first), trimmed to the count the snapshot reports.
-    """
+    """Every block of the pool: glyph by role, colour by owning request; free blocks dim, and
+    free blocks that still hold a reusable prefix marked as cached."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.snapshot: EngineSnapshot | None = None
         self.selected: int | None = None
-        self.cached: dict[int, None] = {}  # insertion-ordered: oldest freed first
+        self.cached: set[int] = set()
         self.owned: dict[int, tuple[int, str]] = {}  # block -> (request id, role)
-        self.full_blocks: set[int] = set()
 
     def show(self, snapshot: EngineSnapshot, selected: int | None = None) -> None:
-        owned, full = {}, set()
+        owned = {}
         for r in snapshot.requests:
-            for i, (block, role) in enumerate(zip(r.block_table, r.block_roles)):
+            for block, role in zip(r.block_table, r.block_roles):
                 owned.setdefault(block, (r.id, role))
-                if not r.times_compressed and (i + 1) * snapshot.pool.block_size <= r.kv_len:
-                    full.add(block)
-        for block in self.full_blocks - owned.keys():
-            self.cached.pop(block, None)
-            self.cached[block] = None
-        for block in owned:
-            self.cached.pop(block, None)
-        while len(self.cached) > snapshot.pool.cached:
-            del self.cached[next(iter(self.cached))]
-        self.owned, self.full_blocks = owned, full
+        self.owned, self.cached = owned, set(snapshot.pool.cached_blocks)
         resized = self.snapshot is None
         self.snapshot, self.selected = snapshot, selected
         self.refresh(layout=resized)
