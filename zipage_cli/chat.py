@@ -20,8 +20,7 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 from engine.service import EngineThread, RequestHandle
 from zipage_cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage_cli.themes import ThemedApp, theme_names
-from zipage_cli.widgets import (BlockTable, EventLog, Gauges, HelpScreen, Throughput, drain, printable,
-                                session_name_widget_id)
+from zipage_cli.widgets import BlockTable, EnginePanes, HelpScreen, drain, printable, session_name_widget_id
 
 REFRESH_S = 0.25  # side panes redraw rate
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
@@ -110,9 +109,8 @@ class ChatApp(ThemedApp):
         self.prompt = Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
                             id="prompt")
         self.block_table = BlockTable(id="blocks-view")
-        self.throughput = Throughput(id="throughput", classes="pane")
-        self.gauges = Gauges(id="gauges", classes="pane")
-        self.event_log = EventLog(id="event-log")
+        panes = EnginePanes()
+        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
         yield Header(icon="▣")
         with Horizontal():
             with Vertical(id="main"):
@@ -123,13 +121,7 @@ class ChatApp(ThemedApp):
                 with VerticalScroll(id="blocks", classes="pane") as pane:
                     pane.border_title = "KV blocks per request"
                     yield self.block_table
-                with self.throughput:
-                    self.throughput.border_title = "Throughput"
-                with self.gauges:
-                    self.gauges.border_title = "KV pool & memory"
-                with Vertical(id="events", classes="pane") as pane:
-                    pane.border_title = "Engine events"
-                    yield self.event_log
+                yield from panes.compose()
         yield Footer()
 
     async def on_mount(self) -> None:

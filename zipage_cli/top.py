@@ -28,7 +28,7 @@ from engine.config import SamplingParams
 from engine.events import EngineSnapshot, Event, RequestInfo
 from engine.service import EngineThread
 from zipage_cli.themes import ThemedApp
-from zipage_cli.widgets import EventLog, Gauges, HelpScreen, PoolMap, Throughput, describe_event, drain
+from zipage_cli.widgets import EnginePanes, HelpScreen, PoolMap, describe_event, drain
 
 REFRESH_S = 0.25
 
@@ -278,9 +278,8 @@ class TopApp(ThemedApp):
         self.pool = PoolMap(id="pool")
         self.explain_pane = Vertical(id="explain-pane", classes="pane")
         self.explain = Static(TEACH_INTRO, id="explain", classes="explain")
-        self.throughput = Throughput(id="throughput", classes="pane")
-        self.gauges = Gauges(id="gauges", classes="pane")
-        self.event_log = EventLog(id="event-log")
+        panes = EnginePanes()
+        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
         yield Header(icon="▣")
         with Horizontal():
             with Vertical(id="left"):
@@ -293,13 +292,7 @@ class TopApp(ThemedApp):
                     self.explain_pane.border_title = "Teaching mode: one step per key press"
                     yield self.explain
             with Vertical(id="right"):
-                with self.throughput:
-                    self.throughput.border_title = "Throughput"
-                with self.gauges:
-                    self.gauges.border_title = "KV pool & memory"
-                with Vertical(id="events", classes="pane") as pane:
-                    pane.border_title = "Engine events"
-                    yield self.event_log
+                yield from panes.compose()
         yield Footer()
 
     def on_mount(self) -> None:

@@ -302,6 +302,25 @@ class Gauges(Vertical):
                         f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")
 
 
+class EnginePanes:
+    """The panes chat and top share: throughput sparklines, pool and memory gauges, the event log."""
+
+    def __init__(self):
+        self.throughput = Throughput(id="throughput", classes="pane")
+        self.gauges = Gauges(id="gauges", classes="pane")
+        self.event_log = EventLog(id="event-log")
+
+    def compose(self) -> ComposeResult:
+        """Yield the panes into the caller's compose context."""
+        with self.throughput:
+            self.throughput.border_title = "Throughput"
+        with self.gauges:
+            self.gauges.border_title = "KV pool & memory"
+        with Vertical(id="events", classes="pane") as pane:
+            pane.border_title = "Engine events"
+            yield self.event_log
+
+
 class HelpScreen(ModalScreen):
     """The app's key bindings and any extra notes (chat's slash commands, top's teaching mode)."""
 
