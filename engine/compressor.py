@@ -20,6 +20,15 @@ from engine.sequence import Sequence, Status
 NEAR_DUPLICATE = 0.5  # cosine similarity above which two keys count as near-duplicates
 
 
+def compression_point(num_tokens: int, budget_tokens: int, trigger_len: int, prefill: bool) -> int:
+    """The KV length at which a request is next compressed, whose last w entries form the window.
+    A prompt (or recomputed sequence) longer than the budget is compressed right after its prefill,
+    before its first decode step; otherwise a request is compressed when it fills N_max blocks."""
+    if prefill and num_tokens > budget_tokens:
+        return num_tokens
+    return trigger_len
+
+
 @dataclass
 class CompressionJob:
     seq: Sequence
@@ -177,6 +186,7 @@ class Compressor:
         seq.kv_len = self.keep
         seq.num_scored = self.keep
         seq.times_compressed += 1
+        seq.compress_after_prefill = False
         seq.status = Status.RUNNING
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_manager import BlockManager
-from engine.compressor import CompressionJob, Compressor
+from engine.compressor import CompressionJob, Compressor, compression_point
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
@@ -73,7 +73,8 @@ class EngineCore:
         if config.compression:
             # Window queries are only made by prefill: the cache may not serve the window positions.
             trigger = config.max_blocks_per_seq_compressed * self.block_size
-            self.blocks.max_cached_tokens = lambda seq: max(trigger, seq.num_tokens) - config.window
+            self.blocks.max_cached_tokens = lambda seq: compression_point(
+                seq.num_tokens, budget_tokens, trigger, prefill=True) - config.window
         self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size)
                            if config.compression else None)
         if self.compressor is not None and not config.enforce_eager:
@@ -203,6 +204,7 @@ class EngineCore:
         except Exception as e:  # a failed forward ends the requests in it, not the engine
             return outputs + [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
         self.step_count += 1
+        budget_tokens = self.config.max_cache_blocks_per_seq * self.block_size
         computed = sum(batch.num_new_tokens)
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -214,6 +216,8 @@ class EngineCore:
                 continue
             if batch.is_prefill:
                 self._event("prefilled", seq, tokens=seq.num_tokens, seconds=round(time.monotonic() - now, 4))
+                if self.compressor is not None and not seq.is_compressed and seq.kv_len > budget_tokens:
+                    seq.compress_after_prefill = True  # never decode over the budget
             seq.append_token(token)
             self.totals["generated_tokens"] += 1
             out = self._after_token(seq, token)

@@ -9,6 +9,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.loader import ModelSource
+from engine.compressor import compression_point
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import CausalLM, ForwardBatch, head_dim_of
 from engine.sampler import Sampler
@@ -81,6 +82,7 @@ class ModelRunner:
         self.compression = config.compression
         self.window = config.window
         self.trigger_len = config.max_blocks_per_seq_compressed * block_size
+        self.budget_tokens = config.max_cache_blocks_per_seq * block_size
         self.num_blocks, self.num_query_slots = self._size_pool()
         shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -184,11 +186,10 @@ class ModelRunner:
 
     def _query_rows(self, seq, kv_range: range, is_prefill: bool) -> list[int]:
         """Query-cache row of each new KV entry, or -1. Entries among the last w before the next
-        compression point are kept, in row j % w of the request's slot. The point is the trigger
-        length, or the prompt's end for a prompt longer than that (compressed right after prefill)."""
+        compression point are kept, in row j % w of the request's slot."""
         if seq.query_slot is None:
             return [-1] * len(kv_range)
-        end = max(self.trigger_len, seq.num_tokens if is_prefill else 0)
+        end = compression_point(seq.num_tokens, self.budget_tokens, self.trigger_len, is_prefill)
         start = end - self.window
         base = seq.query_slot * self.window
         return [base + j % self.window if start <= j < end else -1 for j in kv_range]

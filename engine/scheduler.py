@@ -42,6 +42,7 @@ class Scheduler:
         if compressor is not None:
             self.trigger_len = compressor.trigger_len
             self.window_start = compressor.trigger_len - config.window
+            self.budget_tokens = compressor.keep
 
     # -- queues --------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -87,7 +88,9 @@ class Scheduler:
             return False
         if not self.config.hybrid_scheduling:
             return True  # without hybrid scheduling every running request holds a slot
-        return seq.num_tokens > self.window_start  # its prefill writes window queries
+        # Its prefill writes window queries: it is compressed right after (longer than the budget),
+        # or its prompt reaches into the window before the trigger.
+        return seq.num_tokens > min(self.budget_tokens, self.window_start)
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -136,7 +139,7 @@ class Scheduler:
         queue = [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
         while queue:
             seq = queue.pop(0)
-            if self.compressor is not None and seq.kv_len >= self.trigger_len:
+            if self.compressor is not None and (seq.kv_len >= self.trigger_len or seq.compress_after_prefill):
                 if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
                         seq, preempted, queue, seqs):
                     # Planning takes its fresh blocks now, so no later append this step can take them;

@@ -54,6 +54,7 @@ class Sequence:
         self.query_slot: int | None = None
         self.pending_blocks: list[int] = []  # fresh blocks reserved by a compression in flight
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
+        self.compress_after_prefill = False  # a prefill left more than the budget: compress first
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed

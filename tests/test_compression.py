@@ -859,3 +859,19 @@ def test_snapshot_roles_slots_and_compressed_events(model_path):
     assert later and all(ev.details["tokens_before"] == (n + 1) * bs for ev in later)
     assert_drained(engine)
     engine.close()
+
+
+@pytest.mark.parametrize("extra_tokens", [1, 20])  # inside the (n+1)-th block, and past N_max blocks
+def test_prompt_longer_than_the_budget_is_compressed_before_its_first_decode(model_path, extra_tokens):
+    engine = make_engine(model_path, async_compress=False)
+    budget = engine.config.max_cache_blocks_per_seq * engine.block_size
+    prompt = random_prompts(1, [budget + extra_tokens], seed=21)[0]
+    seq = engine.add_request(prompt, greedy(8))
+    engine.step()  # prefill: samples the first token from the full prompt
+    assert seq.num_output_tokens == 1 and not seq.is_compressed
+    engine.step()  # the compression lands before any decode
+    assert seq.is_compressed and seq.kv_len == budget and seq.num_output_tokens == 1
+    assert len(seq.block_table) == engine.config.max_cache_blocks_per_seq + 1
+    run(engine)
+    assert_drained(engine)
+    engine.close()
