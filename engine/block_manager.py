@@ -60,12 +60,8 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_ids)
 
-    @property
-    def num_cached_free(self) -> int:
-        """Free blocks that still hold a reusable prefix."""
-        return len(self.cached_free_ids())
-
     def cached_free_ids(self) -> list[int]:
+        """Free blocks that still hold a reusable prefix."""
         return [i for i in self.free_ids if self.blocks[i].hash != NO_HASH]
 
     def blocks_for(self, num_tokens: int) -> int:

@@ -59,7 +59,7 @@ class EngineCore:
         self.block_size = config.block_size or (256 if device.type == "cuda" else 32)
         if config.compression and config.window >= self.block_size:
             raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
-        budget_tokens = config.max_cache_blocks_per_seq * self.block_size
+        self.budget_tokens = budget_tokens = config.max_cache_blocks_per_seq * self.block_size
         if config.compression and config.num_sink_tokens + config.window > budget_tokens:
             raise ValueError(f"num_sink_tokens={config.num_sink_tokens}: sinks plus the window ({config.window}) "
                              f"must fit in the budget of {budget_tokens} tokens")
@@ -204,7 +204,6 @@ class EngineCore:
         except Exception as e:  # a failed forward ends the requests in it, not the engine
             return outputs + [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
         self.step_count += 1
-        budget_tokens = self.config.max_cache_blocks_per_seq * self.block_size
         computed = sum(batch.num_new_tokens)
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -216,7 +215,7 @@ class EngineCore:
                 continue
             if batch.is_prefill:
                 self._event("prefilled", seq, tokens=seq.num_tokens, seconds=round(time.monotonic() - now, 4))
-                if self.compressor is not None and not seq.is_compressed and seq.kv_len > budget_tokens:
+                if self.compressor is not None and not seq.is_compressed and seq.kv_len > self.budget_tokens:
                     seq.compress_after_prefill = True  # never decode over the budget
             seq.append_token(token)
             self.totals["generated_tokens"] += 1

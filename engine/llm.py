@@ -40,10 +40,9 @@ class LLM:
             param_list = params
         else:
             param_list = [params or SamplingParams()] * len(prompts)
-        for p in prompts:  # validate all before running any
-            self.engine.check_prompt(self.engine.encode_prompt(p))
+        ids = [self.engine.check_prompt(self.engine.encode_prompt(p)) for p in prompts]  # all before any runs
         seqs = [self.engine.add_request(p, sp, session=sessions[i] if sessions else None)
-                for i, (p, sp) in enumerate(zip(prompts, param_list))]
+                for i, (p, sp) in enumerate(zip(ids, param_list))]
         return self._run_until_done(seqs)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None):

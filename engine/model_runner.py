@@ -211,7 +211,7 @@ class ModelRunner:
             context_lens.append(seq.kv_len + n)
             cu.append(cu[-1] + n)
             if batch.samples(i):
-                sample_rows.append(cu[-1] - 1)
+                sample_rows.append((i, cu[-1] - 1))
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [x for s in batch.seqs for x in s.block_table + [-1] * (width - len(s.block_table))]
         if not any_query:
@@ -247,10 +247,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return [None] * len(batch.seqs)
+        sampling = [i for i, _ in rows]  # the sequences that sample, in row order
         if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[torch.tensor([row for _, row in rows], device=self.device)]
         logits = self.model.logits(hidden)
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
         tokens = self.sampler.sample(logits, requests)
         out: list[int | None] = [None] * len(batch.seqs)

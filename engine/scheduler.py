@@ -88,9 +88,9 @@ class Scheduler:
             return False
         if not self.config.hybrid_scheduling:
             return True  # without hybrid scheduling every running request holds a slot
-        # Its prefill writes window queries: it is compressed right after (longer than the budget),
-        # or its prompt reaches into the window before the trigger.
-        return seq.num_tokens > min(self.budget_tokens, self.window_start)
+        # A prompt longer than the budget writes its window queries at prefill: it is compressed
+        # right after. (The budget ends before the trigger's window starts, since w < block size.)
+        return seq.num_tokens > self.budget_tokens
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

@@ -95,8 +95,6 @@ class EngineThread:
             ids = self.engine.apply_chat_template(prompt)
         else:
             ids = self.engine.encode_prompt(prompt)
-        if len(ids) >= self.engine.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}")
         reply: queue.Queue = queue.Queue()
         self._inbox.put(("submit", (ids, params, session), reply))
         self._wake.set()
@@ -246,10 +244,7 @@ class EngineThread:
         if not events:
             return []
         # The log is a bounded deque; count from the newest so dropped old entries don't matter.
-        total = self._events_total()
+        total = self.engine.event_count
         fresh = min(total - self._events_seen, len(events))
         self._events_seen = total
         return list(events)[len(events) - fresh:] if fresh > 0 else []
-
-    def _events_total(self) -> int:
-        return self.engine.event_count

@@ -79,11 +79,14 @@ class Score:
         return self.kl_sum / max(self.steps, 1)
 
 
-def _drive(engine: EngineCore, prompts, tokens: int, forced: list[list[int]] | None, observer) -> list:
+def _drive(engine: EngineCore, prompts, tokens: int, forced: list[list[int]] | None, observer,
+           index: dict[int, int]) -> list:
+    """Run the prompts to completion (greedy, or fed `forced` tokens), calling observer(seq, logits)
+    at every sampled step; `index` maps request ids to prompt positions before the first step."""
     engine.runner.logits_observer = observer
-    index = {}
     for i, ids in enumerate(prompts):
-        seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        n = len(forced[i]) if forced is not None else tokens
+        seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         if forced is not None:
             seq.forced_tokens = forced[i]
         index[seq.id] = i
@@ -93,7 +96,7 @@ def _drive(engine: EngineCore, prompts, tokens: int, forced: list[list[int]] | N
             if out.finished:
                 outputs[index[out.id]] = out
     engine.runner.logits_observer = None
-    return outputs, index
+    return outputs
 
 
 def build_reference(source, prompts, tokens: int, block_size: int, **engine_kwargs) -> Reference:
@@ -106,7 +109,8 @@ def build_reference(source, prompts, tokens: int, block_size: int, **engine_kwar
         top = torch.topk(logp, TOP_K)
         rows.setdefault(seq.id, []).append((top.values.cpu(), top.indices.cpu()))
 
-    outputs, index = _drive(engine, prompts, tokens, None, observe)
+    index: dict[int, int] = {}
+    outputs = _drive(engine, prompts, tokens, None, observe, index)
     engine.close()
     by_prompt = {index[sid]: r for sid, r in rows.items()}
     return Reference(
@@ -144,14 +148,7 @@ def score_configuration(source, ref: Reference, budget: int, block_size: int, wi
         score.steps += 1
 
     start = time.monotonic()
-    engine.runner.logits_observer = observe
-    for i, ids in enumerate(ref.prompts):
-        seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=len(ref.continuations[i]),
-                                                     ignore_eos=True))
-        seq.forced_tokens = ref.continuations[i]
-        seq_prompt[seq.id] = i
-    while engine.has_work():
-        engine.step()
+    _drive(engine, ref.prompts, 0, ref.continuations, observe, seq_prompt)
     score.compressions = engine.totals["compressions"]
     score.seconds = time.monotonic() - start
     engine.close()
