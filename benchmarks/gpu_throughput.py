@@ -23,6 +23,11 @@ import time
 import torch
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int, vocab: int, seed: int):
     rng = random.Random(seed)
     prompts, outputs = [], []
@@ -33,7 +38,11 @@ def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int
 
 
 def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: dict, log,
-               profile_path: str | None = None) -> dict:
+               profile_path: str | None = None, max_seconds: float | None = None) -> dict:
+    """Serve the workload to the end (or for max_seconds). Besides the whole run, it reports the
+    saturated phase: from the first finished request until the waiting queue empties for the last
+    time. There finished requests are replaced at once, so the pool, not the drain of the last
+    requests, sets concurrency: the steady state of a server under load."""
     from engine.config import EngineConfig, SamplingParams
     from engine.core import EngineCore
 
@@ -41,7 +50,9 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     for p, n in zip(prompts, outputs):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     peak_running, peak_blocks_per_req, steps = 0, 0, 0
-    torch.cuda.synchronize()
+    saturated_from = saturated_to = None  # (seconds, tokens, steps) at the phase's ends
+    cut_off = False
+    synchronize()
     start = time.perf_counter()
     last_log = start
     profiler = None
@@ -50,8 +61,14 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
             import cProfile
             profiler = cProfile.Profile()
             profiler.enable()
-        engine.step()
+        finished = any(out.finished for out in engine.step())
         steps += 1
+        now = time.perf_counter()
+        mark = (now - start, engine.totals["generated_tokens"], steps)
+        if finished and saturated_from is None:
+            saturated_from = mark
+        if saturated_from is not None and engine.scheduler.waiting:
+            saturated_to = mark
         if profiler is not None and steps == 1200:
             profiler.disable()
             import pstats
@@ -62,16 +79,24 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
         peak_running = max(peak_running, len(running))
         if steps % 64 == 0:
             peak_blocks_per_req = max([peak_blocks_per_req] + [len(s.block_table) for s in running])
-        now = time.perf_counter()
+        if max_seconds is not None and now - start > max_seconds:
+            cut_off = True
+            break
         if now - last_log > 15:
             log(f"  {'zipage' if compression else 'fullkv'}: {engine.totals['generated_tokens']} tokens, "
                 f"{len(running)} running, {len(engine.scheduler.waiting)} waiting, {now - start:.0f} s")
             last_log = now
-    torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     generated = engine.totals["generated_tokens"]
     durations = [e.details["seconds"] for e in engine.events if e.kind == "compressed"]
-    result = {"mean_step_ms": 1000 * seconds / max(steps, 1), "mean_compression_ms": 1000 * sum(durations) / len(durations) if durations else None,
+    saturated = None
+    if saturated_from and saturated_to and saturated_to[0] > saturated_from[0]:
+        span = [b - a for a, b in zip(saturated_from, saturated_to)]
+        saturated = {"tok_per_s": span[1] / span[0], "seconds": span[0], "tokens": span[1],
+                     "mean_tokens_per_step": span[1] / max(span[2], 1)}
+    result = {"cut_off": cut_off, "saturated": saturated, "mean_step_ms": 1000 * seconds / max(steps, 1),
+              "mean_compression_ms": 1000 * sum(durations) / len(durations) if durations else None,
               "tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
               "peak_concurrency": peak_running, "steps": steps, "preemptions": engine.totals["preemptions"],
               "compressions": engine.totals["compressions"], "kv_blocks": engine.blocks.num_blocks,
@@ -81,7 +106,8 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     engine.close()
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return result
 
 
@@ -98,10 +124,10 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
     mean_out = round(sum(outputs) / len(outputs))
     config = GenerationConfig(max_new_tokens=mean_out, min_new_tokens=mean_out, do_sample=False,
                               eos_token_id=source.tokenizer.eos_token_id, pad_token_id=0)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     results = hf.generate_batch(inputs=prompts, generation_config=config)
-    torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
     del hf
@@ -109,6 +135,16 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
     torch.cuda.empty_cache()
     return {"tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
             "output_len_each": mean_out}
+
+
+def ratios(zipage: dict, fullkv: dict) -> dict:
+    """Zipage over full KV, for the whole run (only when neither was cut off) and the saturated phase."""
+    out = {}
+    if not zipage.get("cut_off") and not fullkv.get("cut_off") and "tok_per_s" in zipage and "tok_per_s" in fullkv:
+        out["whole_run"] = zipage["tok_per_s"] / fullkv["tok_per_s"]
+    if zipage.get("saturated") and fullkv.get("saturated"):
+        out["saturated"] = zipage["saturated"]["tok_per_s"] / fullkv["saturated"]["tok_per_s"]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -122,32 +158,44 @@ def main(argv=None) -> dict:
     parser.add_argument("--min-output", type=int, default=2048)
     parser.add_argument("--max-output", type=int, default=8192)
     parser.add_argument("--kv-cache-gb", type=float, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the pool in blocks instead")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--budget", type=int, default=8, help="max_cache_blocks_per_seq")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop each engine mode after this long (its saturated phase still counts)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
     args = parser.parse_args(argv)
 
     from engine.loader import resolve_model
+    from zipage_cli.bench import kv_footprint
 
     vocab = resolve_model(args.model).hf_config.vocab_size
     prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,
                                      args.max_output, min(vocab, 32000), args.seed)
-    engine_kwargs = dict(device="cuda", block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
+    engine_kwargs = dict(device=args.device, block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+                         num_kv_blocks=args.num_kv_blocks,
                          enforce_eager=args.enforce_eager)
-    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "args": vars(args), "total_output_tokens": sum(outputs), "modes": {}}
+    device_name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    results = {"model": args.model, "gpu": device_name, "torch": torch.__version__,
+               "args": vars(args), "total_output_tokens": sum(outputs),
+               # the concurrency compression can buy when the pool is the limit (see kv_footprint)
+               "kv_footprint": kv_footprint([len(p) for p in prompts], outputs, args.block_size, args.budget),
+               "modes": {}}
     log = lambda line: print(line, flush=True)  # noqa: E731
+    log(f"workload KV footprint: {json.dumps(results['kv_footprint'])}")
     for mode in args.modes.split(","):
         log(f"{args.model} {mode} ...")
         try:
             if mode in ("zipage", "fullkv"):
                 profile = f"{args.profile_dir}/profile_{mode}.txt" if args.profile_dir else None
-                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log, profile)
+                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log, profile,
+                               args.max_seconds)
             elif mode == "hf":
                 n = args.hf_num_requests or len(prompts)
                 r = run_hf(args.model, prompts[:n], outputs[:n], log)
@@ -156,6 +204,9 @@ def main(argv=None) -> dict:
         except Exception as e:  # record and go on: one failed mode must not lose the others
             r = {"error": f"{type(e).__name__}: {e}"}
         results["modes"][mode] = r
+        if mode == "fullkv" and "zipage" in results["modes"]:
+            results["ratios"] = ratios(results["modes"]["zipage"], r)
+            log(f"Zipage / full KV: {json.dumps(results['ratios'])}")
         log(f"{args.model} {mode}: " + json.dumps(r))
         if args.json:
             with open(args.json, "w") as f:

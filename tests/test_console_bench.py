@@ -48,3 +48,38 @@ def test_run_bench_rejects_bad_settings():
         run_bench("random:llama-tiny", ["zipage"], 1, 1, 0)
     with pytest.raises(ValueError, match="block_size"):
         run_bench("random:llama-tiny", ["zipage"], 1, 1, 1, {"block_size": 3})
+
+
+@pytest.mark.parametrize("compression", [False, True])
+def test_kv_footprint_is_what_the_engine_holds(compression):
+    """The footprint model behind the throughput ceiling, checked against the blocks the engine
+    really holds after every decode step (prompts below, inside and above the budget)."""
+    from engine.core import EngineCore
+    from engine.config import SamplingParams
+    from engine.loader import resolve_model
+    from zipage_cli.bench import kv_footprint
+
+    prompt_lens, output_lens = [5, 40, 70], [90, 61, 33]
+    engine = EngineCore(EngineConfig(model="random:llama-tiny", device="cpu", block_size=16, window=8,
+                                     max_cache_blocks_per_seq=3, num_kv_blocks=64, compression=compression,
+                                     async_compress=False), source=resolve_model("random:llama-tiny"))
+    for p, n in zip(prompt_lens, output_lens):
+        engine.add_request(list(range(3, 3 + p)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    held = []
+    run = engine.runner.run
+
+    def run_and_count(batch):  # a decode batch's tables already hold the block for the new token
+        if not batch.is_prefill:
+            held.extend(len(seq.block_table) for seq in batch.seqs)
+        return run(batch)
+
+    engine.runner.run = run_and_count
+    while engine.has_work():
+        engine.step()
+    engine.close()
+    expected = kv_footprint(prompt_lens, output_lens, block_size=16, budget_blocks=3)
+    key = "zipage_blocks" if compression else "full_kv_blocks"
+    assert len(held) == sum(output_lens) - len(output_lens)
+    assert sum(held) / len(held) == pytest.approx(expected[key])
+    if compression:
+        assert max(held) == 4 and expected["ratio"] > 1.2

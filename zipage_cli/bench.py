@@ -63,6 +63,27 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
             "device": results[0].get("device"), "results": results}
 
 
+def kv_footprint(prompt_lens: list[int], output_lens: list[int], block_size: int, budget_blocks: int) -> dict:
+    """Mean KV blocks a request holds per generated token, with full KV and with Zipage.
+
+    After the decode step that brings a request to k tokens, full KV holds ceil(k / block_size)
+    blocks and Zipage at most budget + 1 (the compressed budget plus the block being filled).
+    When the pool is what limits concurrency, the ratio of the two means is the most concurrency,
+    and so throughput, that compression can buy on this workload.
+    """
+    full = zipage = steps = 0
+    cap = budget_blocks + 1
+    for p, n in zip(prompt_lens, output_lens):
+        lengths = torch.arange(p + 1, p + n, dtype=torch.int64)  # the first token comes from prefill
+        blocks = (lengths + block_size - 1) // block_size
+        full += int(blocks.sum())
+        zipage += int(blocks.clamp(max=cap).sum())
+        steps += len(lengths)
+    steps = max(steps, 1)
+    return {"full_kv_blocks": full / steps, "zipage_blocks": zipage / steps,
+            "ratio": full / zipage if zipage else None}
+
+
 def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
