@@ -10,6 +10,11 @@ pool is fixed with --kv-cache-gb (the same bytes for Zipage and full KV) to emul
 memory, not compute, caps concurrency. transformers' generate_batch takes one output length for a
 whole batch, so it serves the same prompts with every output set to the workload's mean length
 (the same total tokens).
+
+Each engine mode reports the whole run and its saturated phase (see run_engine); the results
+also hold the workload's KV footprint ceiling (zipage_cli.bench.kv_footprint) and the Zipage /
+full-KV ratios. --max-seconds bounds each mode; --device cpu with --num-kv-blocks checks the
+script on a CPU with a tiny model.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`zipage bench`: throughput of Zipage, the same engine with full KV, and transformers' continuous
 batching, on the same weights and the same random-token prompts (greedy, fixed output length).
 
-`run_bench` is the reusable entry point (the GPU benchmark scripts call it too).
+`run_bench` is the reusable entry point; `kv_footprint` gives the concurrency gain a workload allows.
 """
 
 from __future__ import annotations
