@@ -168,6 +168,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=8, help="max_cache_blocks_per_seq")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -185,7 +186,7 @@ def main(argv=None) -> dict:
     engine_kwargs = dict(device=args.device, block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                          num_kv_blocks=args.num_kv_blocks,
-                         enforce_eager=args.enforce_eager)
+                         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     device_name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     results = {"model": args.model, "gpu": device_name, "torch": torch.__version__,
                "args": vars(args), "total_output_tokens": sum(outputs),

@@ -45,6 +45,11 @@ class CompressionJob:
     error: BaseException | None = None
     ready: object = None  # CUDA event: the request's last KV writes are done
 
+    def work(self) -> dict:
+        """The tensor work alone (`Compressor.run_work`), as every tensor-parallel rank runs it."""
+        return dict(source_table=self.source_table, query_slot=self.seq.query_slot, kv_len=self.kv_len,
+                    targets=self.targets, first=self.first, num_scored=self.num_scored)
+
 
 class Compressor:
     def __init__(self, config: EngineConfig, runner, blocks: BlockManager, block_size: int):
@@ -98,27 +103,30 @@ class Compressor:
     def execute(self, job: CompressionJob) -> None:
         start = time.monotonic()
         if self.stream is None:
-            self._run(job)
+            self.run_work(**job.work())
         else:
             with torch.cuda.stream(self.stream):
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)
-                self._run(job)
+                self.run_work(**job.work())
                 self.stream.synchronize()  # the job lands only once its writes are done
         job.duration = time.monotonic() - start
 
-    def _run(self, job: CompressionJob) -> None:
+    @torch.inference_mode()
+    def run_work(self, source_table: list[int], query_slot: int, kv_len: int, targets: list[int], first: bool,
+                 num_scored: int) -> None:
+        """Score and compact one request on this rank's heads (on whichever stream is current)."""
         device, bs = self.runner.device, self.block_size
-        table = torch.tensor(job.source_table, dtype=torch.int64, device=device)
+        table = torch.tensor(source_table, dtype=torch.int64, device=device)
         window_rows = torch.tensor(
-            [job.seq.query_slot * self.window + j % self.window for j in range(job.kv_len - self.window, job.kv_len)],
+            [query_slot * self.window + j % self.window for j in range(kv_len - self.window, kv_len)],
             dtype=torch.int64, device=device)
-        dst = torch.tensor([b * bs + o for b in job.targets for o in range(bs)], dtype=torch.int64, device=device)
-        graph = self.graphs.get(job.first) if job.kv_len == self.trigger_len else None
+        dst = torch.tensor([b * bs + o for b in targets for o in range(bs)], dtype=torch.int64, device=device)
+        graph = self.graphs.get(first) if kv_len == self.trigger_len else None
         if graph is not None:
             graph.replay(table, window_rows, dst)
         else:
-            self._score_and_compact(table, window_rows, dst, job.kv_len, job.first, job.num_scored)
+            self._score_and_compact(table, window_rows, dst, kv_len, first, num_scored)
 
     def _score_and_compact(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor, kv_len: int,
                            first: bool, num_scored: int) -> None:
@@ -146,13 +154,17 @@ class Compressor:
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
-            final = final.clone()
-            final[:, kv_len - self.window:] = float("inf")  # the window always stays
-            if cfg.num_sink_tokens:
-                final[:, :cfg.num_sink_tokens] = float("inf")
-            keep = kernels.keep_indices(final, self.keep)  # [kv_heads, keep], ascending
+            keep = kernels.keep_indices(self._protect(final.clone(), kv_len), self.keep)  # [kv_heads, keep], ascending
             kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[keep], dst,
                                attention.gather(1, keep))
+
+    def _protect(self, final: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Entries every policy keeps: the window (or the last num_recent_tokens, if more) and the sinks."""
+        recent = max(self.window, self.config.num_recent_tokens)
+        final[:, kv_len - recent:] = float("inf")
+        if self.config.num_sink_tokens:
+            final[:, :self.config.num_sink_tokens] = float("inf")
+        return final
 
     def capture_graphs(self) -> None:
         """CUDA graphs of the usual compression (a decoding request at the trigger length), one for a
@@ -169,11 +181,7 @@ class Compressor:
             final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
             final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
-        final = final.clone()
-        final[:, kv_len - self.window:] = float("inf")
-        if self.config.num_sink_tokens:
-            final[:, :self.config.num_sink_tokens] = float("inf")
-        keep = kernels.keep_indices(final, self.keep)
+        keep = kernels.keep_indices(self._protect(final.clone(), kv_len), self.keep)
         kernels.compact_kv(k_cache, v_cache, None, token_slots[keep], dst, None)
 
     # -- landing (engine thread) ---------------------------------------------------------

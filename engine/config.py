@@ -35,6 +35,7 @@ class EngineConfig:
     enable_pooling: bool = True
     pooling_kernel: int = 5
     num_sink_tokens: int = 0
+    num_recent_tokens: int = 0  # always keep this many newest entries (at least the window)
     eviction: str = "score"  # "score" (Zipage); baselines: "random", "recent" (sinks + most recent)
     async_compress: bool = True
     max_compressions_per_step: int = 8  # cap on compression work started per engine step
@@ -50,6 +51,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # explicit KV pool size; on CPU default is a safe share of RAM
     num_kv_blocks: int | None = None  # explicit block count (tests, teaching demos); overrides sizing
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1  # processes (one per GPU) sharing the model's heads and MLP columns
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +88,7 @@ class EngineConfig:
         self._positive_int("max_num_batched_tokens")
         self._positive_int("pooling_kernel")
         self._positive_int("max_compressions_per_step")
+        self._positive_int("tensor_parallel_size")
         if self.block_size is not None:
             self._positive_int("block_size")
             if self.block_size & (self.block_size - 1):
@@ -98,6 +101,8 @@ class EngineConfig:
             _fail("eviction", self.eviction, f"must be one of {', '.join(EVICTION_POLICIES)}")
         if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
+        if not isinstance(self.num_recent_tokens, int) or self.num_recent_tokens < 0:
+            _fail("num_recent_tokens", self.num_recent_tokens, "must be an integer >= 0")
         if self.max_model_len is not None:
             self._positive_int("max_model_len")
         if self.num_query_slots is not None:

@@ -22,6 +22,8 @@ from engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, 
                            MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
 from engine.loader import ModelSource, resolve_model
 from engine.model_runner import ModelRunner, resolve_device
+from engine.models.parallel import TensorParallel, check_tensor_parallel
+from engine.tp_workers import TensorParallelWorkers
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
 
@@ -60,15 +62,30 @@ class EngineCore:
         if config.compression and config.window >= self.block_size:
             raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
         self.budget_tokens = budget_tokens = config.max_cache_blocks_per_seq * self.block_size
-        if config.compression and config.num_sink_tokens + config.window > budget_tokens:
-            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}: sinks plus the window ({config.window}) "
-                             f"must fit in the budget of {budget_tokens} tokens")
+        protected = config.num_sink_tokens + max(config.window, config.num_recent_tokens)
+        if config.compression and protected > budget_tokens:
+            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}, num_recent_tokens={config.num_recent_tokens}: "
+                             f"sinks plus the newest entries kept ({protected}) must fit in the budget of "
+                             f"{budget_tokens} tokens")
         model_limit = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN) or DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len={config.max_model_len}: the model supports at most {model_limit}")
         self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_limit)
 
-        self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len)
+        self.tp_workers = None
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(hf, config.tensor_parallel_size, device)
+            self.tp_workers = TensorParallelWorkers(config, self.source.path or self.source.name,
+                                                    self.block_size, self.max_model_len)
+            tp = self.tp_workers.tp
+        try:
+            self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len, tp)
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
+        self.runner.workers = self.tp_workers
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
         if config.compression:
             # Window queries are only made by prefill: the cache may not serve the window positions.
@@ -231,6 +248,8 @@ class EngineCore:
     # -- compression ------------------------------------------------------------------
     def _start_compression(self, job: CompressionJob) -> list[RequestOutput]:
         self.jobs[job.seq.id] = job
+        if self.tp_workers is not None:  # every rank compacts its own heads, in the order sent
+            self.tp_workers.send("compress", job.work())
         if self.worker is not None:
             job.future = self.worker.submit(self._execute, job)
             return []
@@ -389,6 +408,8 @@ class EngineCore:
             self.abort(request_id)
         if self.worker is not None:
             self.worker.shutdown(wait=True)
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -12,6 +12,7 @@ from engine.loader import ModelSource
 from engine.compressor import compression_point
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import CausalLM, ForwardBatch, head_dim_of
+from engine.models.parallel import TensorParallel
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 
@@ -48,16 +49,23 @@ def available_ram_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, block_size: int, max_model_len: int):
+    """One rank's model shard and KV cache. Under tensor parallelism rank 0 (the engine's runner)
+    sends every forward's packed metadata to the other ranks (`workers`), which run the same
+    forward on their heads; sampling happens on rank 0 only."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, block_size: int, max_model_len: int,
+                 tp: TensorParallel = TensorParallel()):
         self.config = config
+        self.tp = tp
+        self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
         hf = source.hf_config
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = hf.num_key_value_heads
-        self.num_heads = hf.num_attention_heads
+        self.num_kv_heads = tp.share(hf.num_key_value_heads, "KV heads")  # this rank's heads
+        self.num_heads = tp.share(hf.num_attention_heads, "attention heads")
         self.head_dim = head_dim_of(hf)
 
         if self.device.type == "cuda":
@@ -68,7 +76,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = CausalLM(hf)
+                model = CausalLM(hf, tp)
         finally:
             torch.set_default_dtype(previous_dtype)
         if source.is_random:
@@ -83,7 +91,8 @@ class ModelRunner:
         self.window = config.window
         self.trigger_len = config.max_blocks_per_seq_compressed * block_size
         self.budget_tokens = config.max_cache_blocks_per_seq * block_size
-        self.num_blocks, self.num_query_slots = self._size_pool()
+        # Every rank holds the same blocks and slots: the fewest any of them has room for.
+        self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
         shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers):
@@ -98,7 +107,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         # Graph capture needs kernels that never sync with the host: the Triton ones.
-        if self.device.type == "cuda" and not config.enforce_eager and "paged_decode_attention" in kernels.TRITON_IMPLS:
+        # Under tensor parallelism decode runs eagerly: graphs would have to capture the collectives.
+        if (self.device.type == "cuda" and not config.enforce_eager and not tp.enabled
+                and "paged_decode_attention" in kernels.TRITON_IMPLS):
             self.graphs = DecodeGraphs(self.model, self.device, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                                        self.max_blocks_per_seq, self.query_cache if self.compression else None)
 
@@ -194,8 +205,10 @@ class ModelRunner:
         base = seq.query_slot * self.window
         return [base + j % self.window if start <= j < end else -1 for j in kv_range]
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch, list[int]]:
-        input_ids, positions, slots, context_lens, cu, sample_rows = [], [], [], [], [0], []
+    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict, list[int]]:
+        """All the batch metadata as one int64 host tensor plus a small header (what every rank
+        needs to rebuild the forward), and the batch index of each sampling row."""
+        input_ids, positions, slots, context_lens, cu, sample_rows, sampling = [], [], [], [], [0], [], []
         query_rows, any_query = [], False
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -211,46 +224,61 @@ class ModelRunner:
             context_lens.append(seq.kv_len + n)
             cu.append(cu[-1] + n)
             if batch.samples(i):
-                sample_rows.append((i, cu[-1] - 1))
+                sampling.append(i)
+                sample_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [x for s in batch.seqs for x in s.block_table + [-1] * (width - len(s.block_table))]
         if not any_query:
             query_rows = []
-        # One host-to-device copy for all the batch metadata (staged in pinned memory on CUDA).
         parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
-        flat = [x for part in parts for x in part]
-        if self.device.type == "cuda":
-            packed = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        else:
-            packed = torch.tensor(flat, dtype=torch.int64)
-        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split([len(p) for p in parts])
+        # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
+        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
+                              pin_memory=self.device.type == "cuda")
+        header = dict(is_prefill=batch.is_prefill, sizes=[len(p) for p in parts], width=width,
+                      num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
+        return packed, header, sampling
+
+    def unpack(self, packed: torch.Tensor, header: dict) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        packed = packed.to(self.device, non_blocking=True)
+        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
         fwd = ForwardBatch(
-            is_prefill=batch.is_prefill,
+            is_prefill=header["is_prefill"],
             slot_mapping=slots_t,
-            block_tables=tables_t.view(len(batch.seqs), width).to(torch.int32),
+            block_tables=tables_t.view(header["num_seqs"], header["width"]).to(torch.int32),
             context_lens=ctx_t.to(torch.int32),
-            cu_seqlens_q=cu_t.to(torch.int32) if batch.is_prefill else None,
+            cu_seqlens_q=cu_t.to(torch.int32) if header["is_prefill"] else None,
         )
-        if any_query:
+        if header["any_query"]:
             fwd.query_slot_mapping = rows_t
             fwd.query_cache = list(self.query_cache.unbind(0))
-        return ids_t, pos_t, fwd, sample_rows
+        return ids_t, pos_t, fwd
+
+    @torch.inference_mode()
+    def forward_packed(self, packed: torch.Tensor, header: dict) -> torch.Tensor | None:
+        """Forward a packed batch; the logits of its sampling rows, or None when none samples.
+        Every rank runs this in step: the collectives inside pair up."""
+        input_ids, positions, fwd = self.unpack(packed, header)
+        if (not fwd.is_prefill and self.graphs is not None
+                and self.graphs.fits(header["num_seqs"], header["width"])):
+            hidden = self.graphs.run(input_ids, positions, fwd)
+        else:
+            hidden = self.model(input_ids, positions, fwd)
+        rows = header["sample_rows"]
+        if not rows:
+            return None
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
-        input_ids, positions, fwd, rows = self.prepare(batch)
-        if (not batch.is_prefill and self.graphs is not None
-                and self.graphs.fits(len(batch.seqs), fwd.block_tables.shape[1])):
-            hidden = self.graphs.run(input_ids, positions, fwd)
-        else:
-            hidden = self.model(input_ids, positions, fwd)
-        if not rows:
+        packed, header, sampling = self.pack(batch)
+        if self.workers is not None:
+            self.workers.send("forward", packed, header)
+        logits = self.forward_packed(packed, header)
+        if logits is None:
             return [None] * len(batch.seqs)
-        sampling = [i for i, _ in rows]  # the sequences that sample, in row order
-        if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor([row for _, row in rows], device=self.device)]
-        logits = self.model.logits(hidden)
         requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
         tokens = self.sampler.sample(logits, requests)
         out: list[int | None] = [None] * len(batch.seqs)

@@ -212,7 +212,8 @@ class ExecuteSpy:
 
     def __call__(self, job):
         e = self.engine
-        bs, w, sinks = e.block_size, e.config.window, e.config.num_sink_tokens
+        bs, sinks = e.block_size, e.config.num_sink_tokens
+        w = max(e.config.window, e.config.num_recent_tokens)  # every newest entry that must stay
         window_kv = read_kv(e, slots_of(job.source_table, range(job.kv_len - w, job.kv_len), bs))
         sink_kv = read_kv(e, slots_of(job.source_table, range(sinks), bs))
         self.started.set()
@@ -225,12 +226,13 @@ class ExecuteSpy:
 
 
 @pytest.mark.parametrize("async_compress", [False, True])
-@pytest.mark.parametrize("eviction,sinks", [("score", 0), ("score", 3), ("random", 0), ("recent", 2)])
-def test_last_window_entries_are_always_kept(model_path, async_compress, eviction, sinks):
+@pytest.mark.parametrize("eviction,sinks,recent", [("score", 0, 0), ("score", 3, 0), ("score", 0, 20),
+                                                   ("random", 0, 0), ("random", 1, 12), ("recent", 2, 0)])
+def test_last_window_entries_are_always_kept(model_path, async_compress, eviction, sinks, recent):
     engine = make_engine(model_path, async_compress=async_compress, eviction=eviction, num_sink_tokens=sinks,
-                         window=8, max_cache_blocks_per_seq=2)
+                         num_recent_tokens=recent, window=8, max_cache_blocks_per_seq=2)
     spy = ExecuteSpy(engine)
-    n, bs, w = 2, engine.block_size, 8
+    n, bs, w = 2, engine.block_size, max(8, recent)
     keep = n * bs
     checked = set()
 
@@ -243,7 +245,7 @@ def test_last_window_entries_are_always_kept(model_path, async_compress, evictio
                 assert job.seq.block_table[:n] == job.targets
                 assert job.seq.block_table[n] == job.decode_block
             kept = read_kv(e, slots_of(job.targets, range(keep), bs))  # [layers, 2, keep, heads, dim]
-            assert torch.equal(kept[:, :, keep - w:], window_kv), "the last w entries were not kept last"
+            assert torch.equal(kept[:, :, keep - w:], window_kv), "the newest entries were not kept last"
             assert torch.equal(kept[:, :, :sinks], sink_kv), "sink tokens were not kept first"
 
     try:
@@ -493,6 +495,8 @@ def test_sink_tokens_that_leave_no_room_for_the_window_are_rejected(model_path):
     num_sink_tokens rather than silently drop kept tokens."""
     with pytest.raises(ValueError, match="num_sink_tokens"):
         make_engine(model_path, num_sink_tokens=40, window=4, max_cache_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="num_recent_tokens=33"):
+        make_engine(model_path, num_recent_tokens=33, window=4, max_cache_blocks_per_seq=2)
 
 
 # ------------------------------------------------------------------------------------------

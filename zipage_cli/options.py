@@ -23,6 +23,8 @@ KNOB_HELP = {
     "num_kv_blocks": "Size the KV pool explicitly, in blocks.",
     "max_num_seqs": "Most requests running at once.",
     "max_model_len": "Longest prompt + output, in tokens.",
+    "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
+    "num_recent_tokens": "Always keep this many newest entries when compressing (at least the window).",
 }
 ENGINE_PANEL = "Engine"
 

@@ -2,7 +2,9 @@
 
 Family differences are switches read from the Hugging Face config: QKV bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), tied embeddings and RoPE scaling (llama3) where the config says so.
-Attention reads and writes the paged KV cache through `kernels`.
+Attention reads and writes the paged KV cache through `kernels`. Under tensor parallelism
+(`engine.models.parallel`) each rank builds the same classes with its share of the heads, MLP
+columns and vocabulary, and loads or draws exactly that share of the full weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.models.parallel import TensorParallel
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -83,11 +86,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_index: int):
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = tp.share(cfg.num_attention_heads, "attention heads")  # this rank's heads
+        self.num_kv_heads = tp.share(cfg.num_key_value_heads, "KV heads")
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -122,26 +126,27 @@ class Attention(nn.Module):
         else:
             out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                                  batch.context_lens, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate = tp.share(cfg.intermediate_size, "intermediate size")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_index: int):
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_index)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_index, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -151,39 +156,54 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel, vocab_rows: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """The decoder plus LM head. `forward` returns final hidden states; `logits` projects chosen rows."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.family = family_of(hf_config)
         self.config = hf_config
-        self.model = DecoderBody(hf_config)
+        self.tp = tp
+        # Each rank holds an equal slice of the vocabulary, the last one zero-padded.
+        self.vocab_rows = -(-hf_config.vocab_size // tp.size)
+        self.model = DecoderBody(hf_config, tp, self.vocab_rows)
         self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(hf_config.hidden_size, self.vocab_rows, bias=False)
 
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, positions, self.rope, batch)
         return self.model.norm(hidden)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.model.embed_tokens(input_ids)
+        # Vocab-parallel: a rank embeds the ids in its slice and zeros elsewhere; the sum is exact.
+        local = input_ids - self.tp.rank * self.vocab_rows
+        inside = (local >= 0) & (local < self.vocab_rows)
+        hidden = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
+        return self.tp.all_reduce(hidden * inside[:, None].to(hidden.dtype))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if self.tp.enabled:
+            logits = self.tp.gather_columns(logits)[:, :self.config.vocab_size]
+        return logits
 
     # -- weights -----------------------------------------------------------------
     def init_random(self, seed: int) -> None:
@@ -192,14 +212,21 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         std = float(getattr(self.config, "initializer_range", 0.02))
+        full_shapes = None
+        if self.tp.enabled:  # draw each full tensor as one rank would, then keep this rank's share
+            with torch.device("meta"):
+                full_shapes = {n: p.shape for n, p in CausalLM(self.config).named_parameters()}
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 elif name.endswith(".bias"):
                     param.zero_()
-                else:
+                elif full_shapes is None:
                     param.normal_(0.0, std, generator=gen)
+                else:
+                    full = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
+                    param.copy_(self._local_part(name, None, full.normal_(0.0, std, generator=gen)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers."""
@@ -214,6 +241,7 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"weight {name!r} does not fit a {self.family} model of this shape")
             param = params[target]
+            tensor = self._local_part(target, shard, tensor)
             with torch.no_grad():
                 if shard is None:
                     _copy_checked(param, tensor, name)
@@ -224,13 +252,35 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:3]}")
 
+    def _local_part(self, target: str, shard: str | None, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor of parameter `target` (or of its fused part `shard`)."""
+        tp = self.tp
+        if not tp.enabled:
+            return full
+        if shard is not None:  # q, k, v, gate or up: a column-parallel slice of output rows
+            return tp.take(full, 0)
+        if "qkv_proj" in target:  # the whole fused [q; k; v]
+            attn = self.attention_layers[0]
+            q, k, v = full.split([attn.q_size * tp.size, attn.kv_size * tp.size, attn.kv_size * tp.size])
+            return torch.cat([tp.take(q), tp.take(k), tp.take(v)])
+        if "gate_up_proj" in target:
+            gate, up = full.chunk(2)
+            return torch.cat([tp.take(gate), tp.take(up)])
+        if target.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: input columns
+            return tp.take(full, 1)
+        if target.endswith("o_proj.bias"):  # added once, before the all-reduce sums the ranks
+            return full if tp.rank == 0 else torch.zeros_like(full)
+        if target in ("model.embed_tokens.weight", "lm_head.weight"):
+            return tp.take_padded_rows(full, self.vocab_rows)
+        return full
+
     def _shard_range(self, target: str, shard: str) -> tuple[int, int]:
         attn = self.attention_layers[0]
         if "qkv_proj" in target:
             starts = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size),
                       "v": (attn.q_size + attn.kv_size, attn.kv_size)}
             return starts[shard]
-        inter = self.config.intermediate_size
+        inter = self.model.layers[0].mlp.intermediate
         return {"gate": (0, inter), "up": (inter, inter)}[shard]
 
     def _expected_names(self) -> list[str]:
