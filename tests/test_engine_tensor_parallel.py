@@ -127,3 +127,46 @@ def test_a_stopped_rank_is_a_clear_error(tiny_path):
         assert_pool_empty(llm.engine)
     finally:
         llm.engine.close()
+
+
+def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
+    """SIGINT to the whole process group (what Ctrl-C does) ends rank 0 and every worker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import time\n"
+        "from engine import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({tiny_path!r}, device='cpu', tensor_parallel_size=2)\n"
+        "    print(*[p.pid for p in llm.engine.tp_workers.processes], flush=True)\n"
+        "    while True:\n"
+        "        llm.generate([1, 2, 3], SamplingParams(max_tokens=8))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        worker_pids = [int(p) for p in proc.stdout.readline().split()]
+        assert worker_pids, proc.stderr.read()
+        time.sleep(1.0)  # let it serve a little
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_running(pid) for pid in worker_pids):
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in worker_pids), "a worker outlived the engine"
+
+
+def _running(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
