@@ -113,7 +113,7 @@ def _run_engine(model: str, engine_kwargs: dict, compression: bool, prompts: lis
         seconds = time.perf_counter() - start
         device = llm.snapshot().device
     finally:
-        llm.engine.close()  # also stops the compression worker, which LLM.close() leaves running
+        llm.close()
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "peak_concurrency": peak, "device": device}
 
