@@ -60,6 +60,7 @@ class Compressor:
         self.budget_blocks = config.max_cache_blocks_per_seq
         self.keep = self.budget_blocks * block_size
         self.window = config.window
+        self.recent = config.recent_kept(self.keep)
         self.trigger_len = (self.budget_blocks + 1) * block_size  # kv_len that forces a compression
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # random baseline
         # On CUDA, compression runs on its own stream so decoding never waits for it.
@@ -159,9 +160,8 @@ class Compressor:
                                attention.gather(1, keep))
 
     def _protect(self, final: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Entries every policy keeps: the window (or the last num_recent_tokens, if more) and the sinks."""
-        recent = max(self.window, self.config.num_recent_tokens)
-        final[:, kv_len - recent:] = float("inf")
+        """Entries a compression always keeps: the newest (config.recent_kept) and the sinks."""
+        final[:, kv_len - self.recent:] = float("inf")
         if self.config.num_sink_tokens:
             final[:, :self.config.num_sink_tokens] = float("inf")
         return final

@@ -35,7 +35,7 @@ class EngineConfig:
     enable_pooling: bool = True
     pooling_kernel: int = 5
     num_sink_tokens: int = 0
-    num_recent_tokens: int = 0  # always keep this many newest entries (at least the window)
+    recent_share: float = 0.0  # share of the budget kept for the newest entries (score eviction)
     eviction: str = "score"  # "score" (Zipage); baselines: "random", "recent" (sinks + most recent)
     async_compress: bool = True
     max_compressions_per_step: int = 8  # cap on compression work started per engine step
@@ -101,8 +101,8 @@ class EngineConfig:
             _fail("eviction", self.eviction, f"must be one of {', '.join(EVICTION_POLICIES)}")
         if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
-        if not isinstance(self.num_recent_tokens, int) or self.num_recent_tokens < 0:
-            _fail("num_recent_tokens", self.num_recent_tokens, "must be an integer >= 0")
+        if not 0.0 <= float(self.recent_share) < 1.0:
+            _fail("recent_share", self.recent_share, "must be in [0, 1)")
         if self.max_model_len is not None:
             self._positive_int("max_model_len")
         if self.num_query_slots is not None:
@@ -126,6 +126,12 @@ class EngineConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             _fail(name, value, "must be an integer >= 1")
+
+    def recent_kept(self, budget_tokens: int) -> int:
+        """How many newest entries a compression always keeps: the window, or under score eviction
+        the recent share of the budget if that is more. Scores choose the rest."""
+        share = int(self.recent_share * budget_tokens) if self.eviction == "score" else 0
+        return max(self.window, share)
 
     @property
     def max_blocks_per_seq_compressed(self) -> int:

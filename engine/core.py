@@ -62,9 +62,9 @@ class EngineCore:
         if config.compression and config.window >= self.block_size:
             raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
         self.budget_tokens = budget_tokens = config.max_cache_blocks_per_seq * self.block_size
-        protected = config.num_sink_tokens + max(config.window, config.num_recent_tokens)
+        protected = config.num_sink_tokens + config.recent_kept(budget_tokens)
         if config.compression and protected > budget_tokens:
-            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}, num_recent_tokens={config.num_recent_tokens}: "
+            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}, recent_share={config.recent_share}: "
                              f"sinks plus the newest entries kept ({protected}) must fit in the budget of "
                              f"{budget_tokens} tokens")
         model_limit = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN) or DEFAULT_MAX_MODEL_LEN)

@@ -213,7 +213,7 @@ class ExecuteSpy:
     def __call__(self, job):
         e = self.engine
         bs, sinks = e.block_size, e.config.num_sink_tokens
-        w = max(e.config.window, e.config.num_recent_tokens)  # every newest entry that must stay
+        w = e.compressor.recent  # every newest entry that must stay
         window_kv = read_kv(e, slots_of(job.source_table, range(job.kv_len - w, job.kv_len), bs))
         sink_kv = read_kv(e, slots_of(job.source_table, range(sinks), bs))
         self.started.set()
@@ -226,13 +226,16 @@ class ExecuteSpy:
 
 
 @pytest.mark.parametrize("async_compress", [False, True])
-@pytest.mark.parametrize("eviction,sinks,recent", [("score", 0, 0), ("score", 3, 0), ("score", 0, 20),
-                                                   ("random", 0, 0), ("random", 1, 12), ("recent", 2, 0)])
-def test_last_window_entries_are_always_kept(model_path, async_compress, eviction, sinks, recent):
+@pytest.mark.parametrize("eviction,sinks,share", [("score", 0, 0.0), ("score", 3, 0.0), ("score", 0, 0.625),
+                                                  ("random", 0, 0.0), ("random", 1, 0.5), ("recent", 2, 0.0)])
+def test_last_window_entries_are_always_kept(model_path, async_compress, eviction, sinks, share):
     engine = make_engine(model_path, async_compress=async_compress, eviction=eviction, num_sink_tokens=sinks,
-                         num_recent_tokens=recent, window=8, max_cache_blocks_per_seq=2)
+                         recent_share=share, window=8, max_cache_blocks_per_seq=2)
     spy = ExecuteSpy(engine)
-    n, bs, w = 2, engine.block_size, max(8, recent)
+    n, bs = 2, engine.block_size
+    # The recent share applies to score eviction only: 0.625 of 2 blocks of 16 is 20 entries.
+    w = 20 if (eviction, share) == ("score", 0.625) else 8
+    assert engine.compressor.recent == w
     keep = n * bs
     checked = set()
 
@@ -495,8 +498,8 @@ def test_sink_tokens_that_leave_no_room_for_the_window_are_rejected(model_path):
     num_sink_tokens rather than silently drop kept tokens."""
     with pytest.raises(ValueError, match="num_sink_tokens"):
         make_engine(model_path, num_sink_tokens=40, window=4, max_cache_blocks_per_seq=2)
-    with pytest.raises(ValueError, match="num_recent_tokens=33"):
-        make_engine(model_path, num_recent_tokens=33, window=4, max_cache_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="recent_share=0.9"):
+        make_engine(model_path, recent_share=0.9, num_sink_tokens=8, window=4, max_cache_blocks_per_seq=2)
 
 
 # ------------------------------------------------------------------------------------------

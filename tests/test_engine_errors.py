@@ -149,6 +149,8 @@ def test_unknown_config_field(tiny_path):
     (dict(num_kv_blocks=0), "num_kv_blocks"),
     (dict(prefix_caching="yes"), "prefix_caching"),
     (dict(max_model_len=10 ** 6), "max_model_len"),
+    (dict(recent_share=1.0), "recent_share"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
 ])
 def test_invalid_config_values_name_the_field(tiny_path, kwargs, field):
     knobs = dict(BASE_KNOBS)

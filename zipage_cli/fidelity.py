@@ -43,10 +43,11 @@ PROMPTS = [
 
 # Ablation ladder, then the two baselines, all at the same budget.
 CONFIGURATIONS = [
-    ("window score", dict(use_global_score=False, use_redundancy=False, enable_pooling=False)),
-    ("+ global score", dict(use_global_score=True, use_redundancy=False, enable_pooling=False)),
-    ("+ redundancy", dict(use_global_score=True, use_redundancy=True, enable_pooling=False)),
-    ("+ pooling (Zipage)", dict(use_global_score=True, use_redundancy=True, enable_pooling=True)),
+    ("window score", dict(use_global_score=False, use_redundancy=False, enable_pooling=False, recent_share=0.0)),
+    ("+ global score", dict(use_global_score=True, use_redundancy=False, enable_pooling=False, recent_share=0.0)),
+    ("+ redundancy", dict(use_global_score=True, use_redundancy=True, enable_pooling=False, recent_share=0.0)),
+    ("+ pooling", dict(use_global_score=True, use_redundancy=True, enable_pooling=True, recent_share=0.0)),
+    ("+ recent share (Zipage)", dict(use_global_score=True, use_redundancy=True, enable_pooling=True)),
     ("random eviction", dict(eviction="random")),
     ("sinks + recent", dict(eviction="recent", num_sink_tokens=4)),
 ]
@@ -156,7 +157,13 @@ def score_configuration(source, ref: Reference, budget: int, block_size: int, wi
 
 
 def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, budgets=(4, 8, 16),
-        block_size: int = 32, window: int = 16, device: str = "cpu", progress=print) -> dict:
+        block_size: int = 32, window: int = 16, device: str = "cpu", progress=print,
+        configurations: list[str] | None = None) -> dict:
+    """Score every configuration (or only those named in `configurations`) at every budget."""
+    known = [name for name, _ in CONFIGURATIONS]
+    for name in configurations or []:
+        if name not in known:
+            raise ValueError(f"unknown configuration {name!r}; known: {', '.join(known)}")
     source = resolve_model(model)
     tok = source.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -169,6 +176,8 @@ def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, 
     results = {"model": model, "num_prompts": num_prompts, "tokens": tokens, "block_size": block_size,
                "window": window, "budgets": list(budgets), "rows": []}
     for name, overrides in CONFIGURATIONS:
+        if configurations and name not in configurations:
+            continue
         row = {"configuration": name, "overrides": overrides, "by_budget": {}}
         for budget in budgets:
             s = score_configuration(source, ref, budget, block_size, window, overrides, **common)
@@ -204,9 +213,11 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--configurations", default=None, help="only these rows, separated by ';'")
     args = parser.parse_args(argv)
     results = run(args.model, args.num_prompts, args.tokens, [int(b) for b in args.budgets.split(",")],
-                  args.block_size, args.window, args.device)
+                  args.block_size, args.window, args.device,
+                  configurations=args.configurations.split(";") if args.configurations else None)
     print(markdown_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -123,6 +123,7 @@ def eval_fidelity(
     window: int = typer.Option(16, help="Observation window."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
+    configurations: str = typer.Option(None, help="Only these rows, separated by ';' (default: all)."),
 ):
     """Teacher-forced top-1 agreement and KL divergence of compressed KV against full KV, for the
     scoring ablations and two baselines (random eviction; sinks + most recent) at equal budgets."""
@@ -133,7 +134,8 @@ def eval_fidelity(
     try:
         budget_list = [int(b) for b in budgets.split(",")]
         results = fidelity.run(model, num_prompts, tokens, budget_list, block_size, window, device,
-                               progress=lambda line: err.print(line))
+                               progress=lambda line: err.print(line),
+                               configurations=configurations.split(";") if configurations else None)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)

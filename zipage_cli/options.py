@@ -24,7 +24,7 @@ KNOB_HELP = {
     "max_num_seqs": "Most requests running at once.",
     "max_model_len": "Longest prompt + output, in tokens.",
     "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
-    "num_recent_tokens": "Always keep this many newest entries when compressing (at least the window).",
+    "recent_share": "Share of the budget always kept for the newest entries; scores choose the rest.",
 }
 ENGINE_PANEL = "Engine"
 
