@@ -35,7 +35,7 @@ class EngineConfig:
     enable_pooling: bool = True
     pooling_kernel: int = 5
     num_sink_tokens: int = 0
-    recent_share: float = 0.0  # share of the budget kept for the newest entries (score eviction)
+    recent_share: float = 0.75  # share of the budget kept for the newest entries (score eviction)
     eviction: str = "score"  # "score" (Zipage); baselines: "random", "recent" (sinks + most recent)
     async_compress: bool = True
     max_compressions_per_step: int = 8  # cap on compression work started per engine step

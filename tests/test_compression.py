@@ -661,7 +661,8 @@ class KernelTrace:
 def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning):
     """Per layer: window score -> max-pooling (first compression only, kernel 5) -> global merge with
     the score the kept tokens carried (none on the first compression) -> final = lambda*s - (1-lambda)*
-    redundancy (lightning: within blocks of b) with the window forced in -> top n*b -> compaction that
+    redundancy (lightning: within blocks of b) with the newest entries (the recent share of the budget,
+    window included) forced in -> top n*b -> compaction that
     carries s (not the final score) in the score cache."""
     cfg = dict(async_compress=False, window=4, max_cache_blocks_per_seq=2, lightning_redundancy=lightning,
                redundancy_lambda=0.3, redundancy_temperature=0.5, global_decay=0.7, pooling_kernel=5)
@@ -669,6 +670,8 @@ def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning)
     trace = KernelTrace(monkeypatch)
     spy = ExecuteSpy(engine)
     bs, w, keep, layers = 16, 4, 32, engine.runner.num_layers
+    recent = int(0.75 * keep)  # the default recent share of the 32-entry budget
+    assert engine.compressor.recent == recent
     prompts = random_prompts(2, [10, 60], seed=71)
     for p in prompts:
         engine.add_request(p, greedy(45))
@@ -697,8 +700,9 @@ def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning)
             assert name == "keep_indices" and args[1] == keep
             final = args[0]
             want = 0.3 * merged - 0.7 * redundancy
-            assert torch.isinf(final[:, job.kv_len - w:]).all()
-            torch.testing.assert_close(final[:, :job.kv_len - w], want[:, :job.kv_len - w])
+            newest = job.kv_len - recent  # the window and the rest of the recent share are forced in
+            assert torch.isinf(final[:, newest:]).all()
+            torch.testing.assert_close(final[:, :newest], want[:, :newest])
             name, args, _ = next(calls)
             assert name == "compact_kv"
             assert torch.equal(args[5], merged.gather(1, kept)), "the score cache must carry s, not the final score"
