@@ -195,7 +195,7 @@ def markdown_table(results: dict) -> str:
     head = "| configuration | " + " | ".join(f"{b} blocks ({b * bs} tok): agree / KL" for b in budgets) + " |"
     lines = [head, "|---|" + "---|" * len(budgets)]
     for row in results["rows"]:
-        cells = [f"{row['by_budget'][str(b)]['agreement'] * 100:.1f}% / {row['by_budget'][str(b)]['mean_kl']:.3f}"
+        cells = [f"{row['by_budget'][str(b)]['agreement'] * 100:.1f}% / {row['by_budget'][str(b)]['mean_kl']:.4f}"
                  for b in budgets]
         lines.append(f"| {row['configuration']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
