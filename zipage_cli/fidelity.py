@@ -107,7 +107,7 @@ def build_reference(source, prompts, tokens: int, block_size: int, **engine_kwar
 
     def observe(seq, logits):
         logp = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logp, TOP_K)
+        top = torch.topk(logp, min(TOP_K, logp.numel()))
         rows.setdefault(seq.id, []).append((top.values.cpu(), top.indices.cpu()))
 
     index: dict[int, int] = {}
