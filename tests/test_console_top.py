@@ -59,6 +59,8 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
                     break
             note = str(app.query_one("#explain").render())
             assert "was compressed from 3 to 3 blocks" in note and "evicting" in note
+            # a budget of 32 tokens: the newest three quarters stay, scores choose the rest
+            assert "kept its newest 24 tokens and the 8 highest-scoring older ones" in note
 
             await pilot.press("t")  # run freely again
             assert not engine.paused
