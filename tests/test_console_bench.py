@@ -39,6 +39,10 @@ def test_run_bench_reports_every_mode():
     assert fullkv["output_tokens"] == zipage["output_tokens"] == 120
     assert fullkv["ratio"] == 1.0 and zipage["ratio"] == pytest.approx(zipage["tokens_per_s"] / fullkv["tokens_per_s"])
     assert ("zipage", 3, 3) in seen and ("fullkv", 3, 3) in seen
+    # 10 + 40 tokens in blocks of 16 against a 1-block budget: at most 2 blocks under Zipage, up to 4 under full KV
+    footprint = results["kv_footprint"]
+    assert 1.0 < footprint["zipage_blocks"] <= 2.0 < footprint["full_kv_blocks"] <= 4.0
+    assert footprint["ratio"] == pytest.approx(footprint["full_kv_blocks"] / footprint["zipage_blocks"])
 
 
 def test_run_bench_rejects_bad_settings():

@@ -59,8 +59,11 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
     base = results[0]["tokens_per_s"]
     for r in results:
         r["ratio"] = r["tokens_per_s"] / base if base else None
+    block_sizes = [r["block_size"] for r in results if r.get("block_size")]
+    footprint = (kv_footprint([input_len] * num_requests, [output_len] * num_requests, block_sizes[0],
+                              config.max_cache_blocks_per_seq) if block_sizes else None)
     return {"model": model, "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-            "device": results[0].get("device"), "results": results}
+            "device": results[0].get("device"), "results": results, "kv_footprint": footprint}
 
 
 def kv_footprint(prompt_lens: list[int], output_lens: list[int], block_size: int, budget_blocks: int) -> dict:
@@ -112,10 +115,11 @@ def _run_engine(model: str, engine_kwargs: dict, compression: bool, prompts: lis
                 peak = max(peak, llm.snapshot().running)
         seconds = time.perf_counter() - start
         device = llm.snapshot().device
+        block_size = llm.engine.block_size
     finally:
         llm.close()
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "peak_concurrency": peak, "device": device}
+            "peak_concurrency": peak, "device": device, "block_size": block_size}
 
 
 def hf_model(config: EngineConfig):

@@ -294,6 +294,11 @@ def bench(
                       "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
                       "-" if r["ratio"] is None else f"{r['ratio']:.2f}×")
     Console().print(table)
+    footprint = results.get("kv_footprint")
+    if footprint:
+        Console().print(f"KV footprint of this workload: full KV holds {footprint['full_kv_blocks']:.1f} blocks per "
+                        f"request on average, Zipage {footprint['zipage_blocks']:.1f}. When the pool is the limit, "
+                        f"compression can buy up to {footprint['ratio']:.2f}× the concurrency.")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
