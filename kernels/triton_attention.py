@@ -26,6 +26,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@triton.jit
+def _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache block of each position t of a key tile starting at t0 (one table entry when the tile
+    lies inside one block), and t_ok narrowed to positions whose block exists (-1 padding)."""
+    if BLOCK_N <= BLOCK_SIZE:
+        col = t0 // BLOCK_SIZE
+        blk = tl.load(table_row + col * s_tn, mask=col < table_width, other=-1)
+    else:
+        col = t // BLOCK_SIZE
+        blk = tl.load(table_row + col * s_tn, mask=t_ok & (col < table_width), other=-1)
+    return tl.maximum(blk, 0).to(tl.int64), t_ok & (blk >= 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -101,17 +114,7 @@ def _decode_partition_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + n
         t_ok = t < end
-        if BLOCK_N <= BLOCK_SIZE:
-            # The tile lies inside one cache block: one table entry.
-            col = t0 // BLOCK_SIZE
-            blk = tl.load(table_row + col * s_tn, mask=col < table_width, other=-1)
-            t_ok = t_ok & (blk >= 0)
-            blk = tl.maximum(blk, 0).to(tl.int64)
-        else:
-            col = t // BLOCK_SIZE
-            blk = tl.load(table_row + col * s_tn, mask=t_ok & (col < table_width), other=-1)
-            t_ok = t_ok & (blk >= 0)
-            blk = tl.maximum(blk, 0).to(tl.int64)
+        blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
         off = t % BLOCK_SIZE
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
@@ -306,14 +309,7 @@ def _prefill_kernel(
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + n
         t_ok = t < kv_end
-        if BLOCK_N <= BLOCK_SIZE:
-            col = t0 // BLOCK_SIZE
-            blk = tl.load(table_row + col * s_tn, mask=col < table_width, other=-1)
-        else:
-            col = t // BLOCK_SIZE
-            blk = tl.load(table_row + col * s_tn, mask=t_ok & (col < table_width), other=-1)
-        t_ok = t_ok & (blk >= 0)
-        blk = tl.maximum(blk, 0).to(tl.int64)
+        blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
         off = t % BLOCK_SIZE
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
