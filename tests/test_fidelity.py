@@ -48,3 +48,22 @@ def test_a_budget_never_reached_agrees_with_full_kv_exactly(tiny_path):
 def test_unknown_configuration_is_refused():
     with pytest.raises(ValueError, match="unknown configuration 'bogus'"):
         fidelity.run("random:llama-tiny", configurations=["bogus"])
+
+
+def test_settings_apply_on_top_of_every_row(tiny_path):
+    """With the recent share set to 0, the default row is exactly the pure-scoring row."""
+    settings = fidelity.parse_settings(["recent_share=0", "enable_pooling=true"])
+    assert settings == {"recent_share": 0, "enable_pooling": True}
+    results = fidelity.run(tiny_path, num_prompts=2, tokens=24, budgets=[1], block_size=16, window=4,
+                           configurations=["+ pooling", "+ recent share (Zipage)"], settings=settings,
+                           progress=lambda line: None)
+    pure, recent = (r["by_budget"]["1"] for r in results["rows"])
+    assert results["rows"][1]["overrides"]["recent_share"] == 0
+    assert pure == {**recent, "seconds": pure["seconds"]}
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="expected KNOB=VALUE"):
+        fidelity.parse_settings(["recent_share"])
+    with pytest.raises(ValueError, match="unknown engine knob 'bogus'"):
+        fidelity.parse_settings(["bogus=1"])

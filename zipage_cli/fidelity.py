@@ -11,6 +11,7 @@ Run: `zipage eval fidelity` or `python -m zipage_cli.fidelity`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -158,8 +159,9 @@ def score_configuration(source, ref: Reference, budget: int, block_size: int, wi
 
 def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, budgets=(4, 8, 16),
         block_size: int = 32, window: int = 16, device: str = "cpu", progress=print,
-        configurations: list[str] | None = None) -> dict:
-    """Score every configuration (or only those named in `configurations`) at every budget."""
+        configurations: list[str] | None = None, settings: dict | None = None) -> dict:
+    """Score every configuration (or only those named in `configurations`) at every budget;
+    `settings` (engine knobs) apply on top of each row's own, for sweeps."""
     known = [name for name, _ in CONFIGURATIONS]
     for name in configurations or []:
         if name not in known:
@@ -178,6 +180,7 @@ def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, 
     for name, overrides in CONFIGURATIONS:
         if configurations and name not in configurations:
             continue
+        overrides = {**overrides, **(settings or {})}
         row = {"configuration": name, "overrides": overrides, "by_budget": {}}
         for budget in budgets:
             s = score_configuration(source, ref, budget, block_size, window, overrides, **common)
@@ -187,6 +190,22 @@ def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, 
                      f"mean KL {s.mean_kl:.4f} ({s.compressions} compressions, {s.seconds:.0f} s)")
         results["rows"].append(row)
     return results
+
+
+def parse_settings(items: list[str]) -> dict:
+    """["recent_share=0.5", "enable_pooling=false"] -> {"recent_share": 0.5, "enable_pooling": False}."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KNOB=VALUE")
+        if key not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError(f"--set {item!r}: unknown engine knob {key!r}")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return settings
 
 
 def markdown_table(results: dict) -> str:
@@ -214,10 +233,13 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--configurations", default=None, help="only these rows, separated by ';'")
+    parser.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                        help="an engine knob applied on top of every row (repeatable)")
     args = parser.parse_args(argv)
     results = run(args.model, args.num_prompts, args.tokens, [int(b) for b in args.budgets.split(",")],
                   args.block_size, args.window, args.device,
-                  configurations=args.configurations.split(";") if args.configurations else None)
+                  configurations=args.configurations.split(";") if args.configurations else None,
+                  settings=parse_settings(args.set))
     print(markdown_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -124,6 +124,8 @@ def eval_fidelity(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
     configurations: str = typer.Option(None, help="Only these rows, separated by ';' (default: all)."),
+    settings: list[str] = typer.Option([], "--set", metavar="KNOB=VALUE",
+                                       help="An engine knob applied on top of every row, for sweeps (repeatable)."),
 ):
     """Teacher-forced top-1 agreement and KL divergence of compressed KV against full KV, for the
     scoring ablations and two baselines (random eviction; sinks + most recent) at equal budgets."""
@@ -135,7 +137,8 @@ def eval_fidelity(
         budget_list = [int(b) for b in budgets.split(",")]
         results = fidelity.run(model, num_prompts, tokens, budget_list, block_size, window, device,
                                progress=lambda line: err.print(line),
-                               configurations=configurations.split(";") if configurations else None)
+                               configurations=configurations.split(";") if configurations else None,
+                               settings=fidelity.parse_settings(settings))
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
