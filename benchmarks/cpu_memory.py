@@ -15,9 +15,9 @@ import argparse
 import json
 import time
 
-from engine.config import EngineConfig, SamplingParams
-from engine.core import EngineCore
-from engine.loader import resolve_model
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core import EngineCore
+from zipage.engine.loader import resolve_model
 
 PROMPT = "Think step by step and explain, in detail, how long division works, with three worked examples."
 

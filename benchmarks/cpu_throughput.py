@@ -38,7 +38,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def run_zipage(llm, prompts, output_len: int):
-    from engine import SamplingParams
+    from zipage.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "machine": platform.processor() or platform.machine(), "modes": {}}
     modes = args.modes.split(",")
-    from engine import LLM
+    from zipage.engine import LLM
 
     llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True)
     results["dtype"] = args.dtype

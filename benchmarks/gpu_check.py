@@ -42,9 +42,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from zipage import kernels  # noqa: E402
+from zipage.kernels import reference as ref  # noqa: E402
+from zipage.kernels import triton_ops  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton_ops.patch_interpreter_for_numpy2()
@@ -221,7 +221,7 @@ def guarded(report: Report, name: str):
 
 
 def check_cache_ops(report: Report, s: Sizes, gen):
-    from kernels import triton_cache
+    from zipage.kernels import triton_cache
 
     dev, dt = s.device, s.dtype
     k_cache, v_cache, _ = make_paged([s.block_size * 8], s.block_size, s.kv_heads, s.head_dim, dt, dev, gen)
@@ -271,7 +271,7 @@ def check_cache_ops(report: Report, s: Sizes, gen):
 
 def _decode_case(report, name, s, lens, group, head_dim, dtype, gen, tol, ways=None, min_partition=None,
                  extra_cols=1):
-    from kernels import triton_attention
+    from zipage.kernels import triton_attention
 
     dev = s.device
     kv_heads = s.kv_heads
@@ -310,7 +310,7 @@ def check_decode(report: Report, s: Sizes, gen):
 
 
 def _prefill_case(report, name, s, q_lens, prefixes, group, head_dim, dtype, gen, tol):
-    from kernels import triton_attention
+    from zipage.kernels import triton_attention
 
     dev = s.device
     lens = [q + p for q, p in zip(q_lens, prefixes)]
@@ -353,7 +353,7 @@ def _reference_sums(keys, block, threshold):
 
 
 def check_scores(report: Report, s: Sizes, gen):
-    from kernels import triton_scores
+    from zipage.kernels import triton_scores
 
     dev, dt = s.device, s.dtype
     tol = BF16_TOL if dt != torch.float32 else FP32_TOL
@@ -414,7 +414,7 @@ def _fake_runner(s: Sizes, gen, num_blocks: int):
 
 
 def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):
-    from engine.compressor import CompressionJob
+    from zipage.engine.compressor import CompressionJob
 
     n = s.budget_blocks
     table = torch.randperm(num_blocks, generator=gen)[:n + 1].tolist()
@@ -428,8 +428,8 @@ def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):
 
 
 def _compressor(s: Sizes, runner):
-    from engine.compressor import Compressor
-    from engine.config import EngineConfig
+    from zipage.engine.compressor import Compressor
+    from zipage.engine.config import EngineConfig
 
     config = EngineConfig(model="random:qwen3-tiny", compression=True, block_size=s.block_size,
                           max_cache_blocks_per_seq=s.budget_blocks, window=s.window)
@@ -492,7 +492,7 @@ def check_compression_pipeline(report: Report, s: Sizes, gen):
 
 def check_cuda_graph(report: Report, s: Sizes, gen):
     """Decode attention captured in a CUDA graph, replayed on new inputs, equals eager."""
-    from kernels import triton_attention
+    from zipage.kernels import triton_attention
 
     if torch.device(s.device).type != "cuda":
         report.checks.append(dict(name="decode in CUDA graph", metric=0.0, threshold=0.0, passed=True,
@@ -542,7 +542,7 @@ def _build_tiny_hf(family: str, folder: Path, seed: int):
     varies), saved as an HF folder with the preset's byte tokenizer. Returns the fp32 model."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import resolve_model
+    from zipage.engine.loader import resolve_model
 
     source = resolve_model(f"random:{family}")
     config = source.hf_config
@@ -581,7 +581,7 @@ def check_engine_parity(report: Report, s: Sizes, new_tokens: int | None = None)
     same device, for tiny random Llama, Qwen2 and Qwen3 models. Block size 16 so prompts span several
     blocks; prompts of several lengths in one batch (ragged prefill and decode). On CUDA the Qwen3 model
     also runs with CUDA graphs (enforce_eager=False), which replays the captured Triton decode."""
-    from engine import LLM, SamplingParams
+    from zipage.engine import LLM, SamplingParams
 
     device = s.device
     new_tokens = new_tokens or s.parity_new_tokens
@@ -634,7 +634,7 @@ def check_engine_parity(report: Report, s: Sizes, new_tokens: int | None = None)
 def check_engine_compression(report: Report, s: Sizes) -> None:
     """The engine with compression on (tiny Qwen3, block 16, budget 4 blocks, window 8) on the device:
     Triton path vs reference path, fp32, synchronous compression; tokens should agree."""
-    from engine import LLM, SamplingParams
+    from zipage.engine import LLM, SamplingParams
 
     device = s.device
     new_tokens = 150 if device == "cuda" else 40
@@ -681,7 +681,7 @@ def copy_bandwidth(device) -> float:
 
 
 def time_kernels(report: Report, s: Sizes, gen):
-    from kernels import triton_attention
+    from zipage.kernels import triton_attention
 
     dev = s.device
     bw = copy_bandwidth(dev)

@@ -12,7 +12,7 @@ whole batch, so it serves the same prompts with every output set to the workload
 (the same total tokens).
 
 Each engine mode reports the whole run and its saturated phase (see run_engine); the results
-also hold the workload's KV footprint ceiling (zipage_cli.bench.kv_footprint) and the Zipage /
+also hold the workload's KV footprint ceiling (zipage.cli.bench.kv_footprint) and the Zipage /
 full-KV ratios. --max-seconds bounds each mode; --device cpu with --num-kv-blocks checks the
 script on a CPU with a tiny model.
 """
@@ -48,8 +48,8 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     saturated phase: from the first finished request until the waiting queue empties for the last
     time. There finished requests are replaced at once, so the pool, not the drain of the last
     requests, sets concurrency: the steady state of a server under load."""
-    from engine.config import EngineConfig, SamplingParams
-    from engine.core import EngineCore
+    from zipage.engine.config import EngineConfig, SamplingParams
+    from zipage.engine.core import EngineCore
 
     engine = EngineCore(EngineConfig(model=model, compression=compression, **engine_kwargs))
     for p, n in zip(prompts, outputs):
@@ -119,7 +119,7 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
 def run_hf(model: str, prompts, outputs, log) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from engine.loader import resolve_model
+    from zipage.engine.loader import resolve_model
 
     source = resolve_model(model)
     if source.is_random:
@@ -177,8 +177,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
     args = parser.parse_args(argv)
 
-    from engine.loader import resolve_model
-    from zipage_cli.bench import kv_footprint
+    from zipage.engine.loader import resolve_model
+    from zipage.cli.bench import kv_footprint
 
     vocab = resolve_model(args.model).hf_config.vocab_size
     prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,

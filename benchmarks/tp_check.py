@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def generate(model: str, tp: int, compression: bool, prompts, max_tokens: int, engine_kwargs: dict):
-    from engine import LLM, SamplingParams
+    from zipage.engine import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model, tensor_parallel_size=tp, compression=compression, **engine_kwargs)
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="write tp_check.json here")
     args = parser.parse_args(argv)
 
-    from engine.loader import resolve_model
+    from zipage.engine.loader import resolve_model
 
     vocab = min(resolve_model(args.model).hf_config.vocab_size, 32000)
     rng = random.Random(0)

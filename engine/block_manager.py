@@ -7,7 +7,7 @@ from collections import deque
 import numpy as np
 import xxhash
 
-from engine.sequence import Sequence
+from zipage.engine.sequence import Sequence
 
 NO_HASH = -1
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import Sequence, Status
+from zipage import kernels
+from zipage.engine.block_manager import BlockManager
+from zipage.engine.config import EngineConfig
+from zipage.engine.sequence import Sequence, Status
 
 NEAR_DUPLICATE = 0.5  # cosine similarity above which two keys count as near-duplicates
 

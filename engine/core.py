@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.compressor import CompressionJob, Compressor, compression_point
-from engine.config import EngineConfig, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
+from zipage.engine.block_manager import BlockManager
+from zipage.engine.compressor import CompressionJob, Compressor, compression_point
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.detokenizer import IncrementalDetokenizer
+from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
                            MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
-from engine.loader import ModelSource, resolve_model
-from engine.model_runner import ModelRunner, resolve_device
-from engine.models.parallel import TensorParallel, check_tensor_parallel
-from engine.tp_workers import TensorParallelWorkers
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from zipage.engine.loader import ModelSource, resolve_model
+from zipage.engine.model_runner import ModelRunner, resolve_device
+from zipage.engine.models.parallel import TensorParallel, check_tensor_parallel
+from zipage.engine.tp_workers import TensorParallelWorkers
+from zipage.engine.scheduler import Scheduler
+from zipage.engine.sequence import Sequence, Status
 
 DEFAULT_MAX_MODEL_LEN = 32768
 EVENT_LOG_SIZE = 2000

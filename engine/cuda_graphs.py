@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models import ForwardBatch
+from zipage.engine.models import ForwardBatch
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

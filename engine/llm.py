@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig, SamplingParams
-from engine.core import EngineCore, RequestOutput
-from engine.events import EngineSnapshot
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core import EngineCore, RequestOutput
+from zipage.engine.events import EngineSnapshot
 
 STALL_STEPS = 10_000  # steps without a forward pass or an event before generate() gives up
 

@@ -6,15 +6,15 @@ import os
 
 import torch
 
-import kernels
-from engine.config import EngineConfig
-from engine.loader import ModelSource
-from engine.compressor import compression_point
-from engine.cuda_graphs import DecodeGraphs
-from engine.models import CausalLM, ForwardBatch, head_dim_of
-from engine.models.parallel import TensorParallel
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledBatch
+from zipage import kernels
+from zipage.engine.config import EngineConfig
+from zipage.engine.loader import ModelSource
+from zipage.engine.compressor import compression_point
+from zipage.engine.cuda_graphs import DecodeGraphs
+from zipage.engine.models import CausalLM, ForwardBatch, head_dim_of
+from zipage.engine.models.parallel import TensorParallel
+from zipage.engine.sampler import Sampler
+from zipage.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM for KV on CPU

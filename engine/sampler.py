@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import SamplingParams
+from zipage.engine.config import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:

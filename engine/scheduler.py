@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import Sequence, Status
+from zipage.engine.block_manager import BlockManager
+from zipage.engine.config import EngineConfig
+from zipage.engine.sequence import Sequence, Status
 
 
 @dataclass

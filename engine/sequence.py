@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.config import SamplingParams
+from zipage.engine.config import SamplingParams
 
 
 class Status(enum.Enum):

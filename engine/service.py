@@ -10,9 +10,9 @@ import queue
 import threading
 import time
 
-from engine.config import EngineConfig, SamplingParams
-from engine.core import EngineCore, RequestOutput
-from engine.events import EngineSnapshot, Event
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core import EngineCore, RequestOutput
+from zipage.engine.events import EngineSnapshot, Event
 
 SNAPSHOT_INTERVAL_S = 0.25
 _END = object()

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig
-from engine.models.parallel import TensorParallel
+from zipage.engine.config import EngineConfig
+from zipage.engine.models.parallel import TensorParallel
 
 STARTUP_TIMEOUT = timedelta(minutes=10)  # model loads on every rank happen inside the first collectives
 STOP_TIMEOUT_S = 30
@@ -115,9 +115,9 @@ class TensorParallelWorkers:
 
 def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_spec: str, block_size: int,
                  max_model_len: int, threads: int, ready) -> None:
-    from engine.compressor import Compressor
-    from engine.loader import resolve_model
-    from engine.model_runner import ModelRunner
+    from zipage.engine.compressor import Compressor
+    from zipage.engine.loader import resolve_model
+    from zipage.engine.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, threads))
     ready.put(rank)

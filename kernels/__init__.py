@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from zipage.kernels import reference
 
 # name -> Triton implementation with the reference's signature; filled in by kernels.triton_ops on CUDA.
 TRITON_IMPLS: dict[str, object] = {}

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import next_pow2
+from zipage.kernels.triton_attention import next_pow2
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from zipage import kernels
 
 NAMES = ("store_kv", "store_queries", "paged_decode_attention", "prefill_attention",
          "window_attention_score", "pool_scores", "global_score_merge", "redundancy_score",
@@ -19,7 +19,7 @@ IMPLS: dict[str, object] = {}  # name -> Triton function (empty when Triton cann
 IMPORT_ERROR: BaseException | None = None
 
 try:
-    from kernels import triton_attention, triton_cache, triton_scores
+    from zipage.kernels import triton_attention, triton_cache, triton_scores
 
     for _module in (triton_attention, triton_cache, triton_scores):
         for _name in NAMES:

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import LOG2E, dot_precision, next_pow2
+from zipage.kernels.triton_attention import LOG2E, dot_precision, next_pow2
 
 WINDOW_SPLIT = 512  # keys per program of the window-score statistics pass
 ELEMENTWISE_BLOCK = 1024

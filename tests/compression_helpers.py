@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.core import EngineCore, RequestOutput
-from engine.loader import resolve_model
+from zipage.engine import EngineConfig, SamplingParams
+from zipage.engine.core import EngineCore, RequestOutput
+from zipage.engine.loader import resolve_model
 
 # Block size 16, window 4, budget 2 blocks: a request is compressed every 16 tokens once it holds
 # 3 blocks (48 entries), so compressions start within a few dozen generated tokens.

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import resolve_model
+from zipage.engine import LLM, SamplingParams
+from zipage.engine.loader import resolve_model
 
 TINY_FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from compression_helpers import (assert_drained, build_random_model, check_step, generate, greedy,
                                  make_engine, random_prompts, read_blocks, read_kv, run, slots_of)
-from engine.sequence import Status
+from zipage.engine.sequence import Status
 
 torch.set_num_threads(1)  # tiny ops: one thread is fastest and steady on a shared CPU
 
@@ -642,7 +642,7 @@ class KernelTrace:
              "compact_kv")
 
     def __init__(self, monkeypatch):
-        import kernels
+        from zipage import kernels
 
         self.calls = []
         for name in self.NAMES:

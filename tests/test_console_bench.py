@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.config import EngineConfig
-from zipage_cli.bench import hf_model, run_bench
+from zipage.engine import LLM
+from zipage.engine.config import EngineConfig
+from zipage.cli.bench import hf_model, run_bench
 
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=1, num_kv_blocks=32)
 
@@ -58,10 +58,10 @@ def test_run_bench_rejects_bad_settings():
 def test_kv_footprint_is_what_the_engine_holds(compression):
     """The footprint model behind the throughput ceiling, checked against the blocks the engine
     really holds after every decode step (prompts below, inside and above the budget)."""
-    from engine.core import EngineCore
-    from engine.config import SamplingParams
-    from engine.loader import resolve_model
-    from zipage_cli.bench import kv_footprint
+    from zipage.engine.core import EngineCore
+    from zipage.engine.config import SamplingParams
+    from zipage.engine.loader import resolve_model
+    from zipage.cli.bench import kv_footprint
 
     prompt_lens, output_lens = [5, 40, 70], [90, 61, 33]
     engine = EngineCore(EngineConfig(model="random:llama-tiny", device="cpu", block_size=16, window=8,

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from engine.service import EngineThread
-from zipage_cli.chat import REFRESH_S, ChatApp, Message
-from zipage_cli.widgets import BlockTable, EventLog, HelpScreen
+from zipage.engine.service import EngineThread
+from zipage.cli.chat import REFRESH_S, ChatApp, Message
+from zipage.cli.widgets import BlockTable, EventLog, HelpScreen
 
 # Tiny blocks and budget so a short answer already gets compressed.
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)

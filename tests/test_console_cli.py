@@ -14,10 +14,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from zipage_cli.main import app
+from zipage.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "zipage_cli.main"]
+CLI = [sys.executable, "-m", "zipage.cli.main"]
 TINY = ["--model", "random:llama-tiny", "--device", "cpu", "--block-size", "16", "--window", "8"]
 
 

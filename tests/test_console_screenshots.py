@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import SamplingParams
-from engine.service import EngineThread
-from zipage_cli.chat import ChatApp, Message
-from zipage_cli.top import LoadGenerator, TopApp, prompt_source
-from zipage_cli.widgets import BlockTable
+from zipage.engine.config import SamplingParams
+from zipage.engine.service import EngineThread
+from zipage.cli.chat import ChatApp, Message
+from zipage.cli.top import LoadGenerator, TopApp, prompt_source
+from zipage.cli.widgets import BlockTable
 
 # Small blocks and budget, so compression, prefix sharing and the pool map all show at a glance.
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=4, num_kv_blocks=160)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine.config import SamplingParams
-from engine.service import EngineThread
-from zipage_cli.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
-from zipage_cli.widgets import PoolMap, drain
+from zipage.engine.config import SamplingParams
+from zipage.engine.service import EngineThread
+from zipage.cli.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
+from zipage.cli.widgets import PoolMap, drain
 
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=48)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts, tiny_llm
-from engine import LLM, EngineConfig, SamplingParams
+from zipage.engine import LLM, EngineConfig, SamplingParams
 
 GOOD_PROMPT = random_prompts(1, [12], seed=81)[0]
 GOOD_PARAMS = greedy(10, ignore_eos=True)

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts
-from engine import EngineConfig
-from engine.core import EngineCore
+from zipage.engine import EngineConfig
+from zipage.engine.core import EngineCore
 
 BLOCK = 16
 MAX_TOKENS = 24

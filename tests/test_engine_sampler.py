@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import assert_pool_empty, greedy, random_prompts
-from engine import SamplingParams
-from engine.sampler import Sampler, apply_repetition_penalty, filter_logits
+from zipage.engine import SamplingParams
+from zipage.engine.sampler import Sampler, apply_repetition_penalty, filter_logits
 
 PROMPTS = random_prompts(3, [9, 30, 17], seed=91)
 N = 24

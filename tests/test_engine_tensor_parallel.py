@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import assert_pool_empty, greedy, random_prompts
-from engine import LLM
-from engine.loader import resolve_model
-from engine.models import CausalLM
-from engine.models.parallel import TensorParallel
+from zipage.engine import LLM
+from zipage.engine.loader import resolve_model
+from zipage.engine.models import CausalLM
+from zipage.engine.models.parallel import TensorParallel
 
 FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 
@@ -109,7 +109,7 @@ def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path, tiny_path):
     import sys
 
     script = tmp_path / "unguarded.py"
-    script.write_text(f"from engine import LLM\nLLM({tiny_path!r}, device='cpu', tensor_parallel_size=2)\n")
+    script.write_text(f"from zipage.engine import LLM\nLLM({tiny_path!r}, device='cpu', tensor_parallel_size=2)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           cwd=str(tmp_path), env={**__import__("os").environ})
     assert done.returncode != 0
@@ -140,7 +140,7 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
     script = tmp_path / "serve.py"
     script.write_text(
         "import time\n"
-        "from engine import LLM, SamplingParams\n"
+        "from zipage.engine import LLM, SamplingParams\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({tiny_path!r}, device='cpu', tensor_parallel_size=2)\n"
         "    print(*[p.pid for p in llm.engine.tp_workers.processes], flush=True)\n"

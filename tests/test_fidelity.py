@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zipage_cli import fidelity
+from zipage.cli import fidelity
 
 
 def _exact_kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> float:

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from zipage import kernels
+from zipage.kernels import reference
 
 GQA = [(4, 4), (4, 2), (8, 2), (8, 1)]  # (q heads, kv heads): ratios 1, 2, 4, 8
 HEAD_DIMS = [64, 128]

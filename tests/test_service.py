@@ -9,8 +9,8 @@ import time
 import pytest
 
 from conftest import BASE_KNOBS, greedy, random_prompts
-from engine import SamplingParams
-from engine.service import EngineThread
+from zipage.engine import SamplingParams
+from zipage.engine.service import EngineThread
 
 TIMEOUT = 60
 

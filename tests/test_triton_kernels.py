@@ -15,15 +15,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from zipage import kernels  # noqa: E402
+from zipage.kernels import reference as ref  # noqa: E402
+from zipage.kernels import triton_ops  # noqa: E402
 
 triton_ops.patch_interpreter_for_numpy2()
 
-from kernels import triton_attention as tatt  # noqa: E402
-from kernels import triton_cache as tcache  # noqa: E402
-from kernels import triton_scores as tscores  # noqa: E402
+from zipage.kernels import triton_attention as tatt  # noqa: E402
+from zipage.kernels import triton_cache as tcache  # noqa: E402
+from zipage.kernels import triton_scores as tscores  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 KV_HEADS = 2

@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from engine.config import EngineConfig, SamplingParams
-from engine.llm import LLM
-from engine.loader import resolve_model
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.llm import LLM
+from zipage.engine.loader import resolve_model
 
 MODES = ("zipage", "fullkv", "hf")
 SNAPSHOT_EVERY_S = 0.1  # how often a run samples the running-request count
@@ -127,7 +127,7 @@ def hf_model(config: EngineConfig):
     model, or the engine's own seeded random init for a `random:` preset."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model_runner import resolve_device, resolve_dtype
+    from zipage.engine.model_runner import resolve_device, resolve_dtype
 
     source = resolve_model(config.model)
     device = resolve_device(config.device)
@@ -148,7 +148,7 @@ def hf_model(config: EngineConfig):
 def _random_weights(hf_config, seed: int, device: torch.device, dtype: torch.dtype):
     """The engine's random init, renamed and split into HF's unfused layout. Built as the engine's
     ModelRunner builds it (same class, device, dtype and seed), so the values match exactly."""
-    from engine.models import CausalLM
+    from zipage.engine.models import CausalLM
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -177,8 +177,8 @@ def hf_batching_config(config: EngineConfig, model):
     RAM (left alone, it takes 60% of RAM on a CPU), or the same fraction of GPU memory."""
     from transformers import ContinuousBatchingConfig
 
-    from engine.model_runner import CPU_KV_CAP_BYTES, CPU_KV_SHARE_OF_RAM, available_ram_bytes
-    from engine.models import head_dim_of
+    from zipage.engine.model_runner import CPU_KV_CAP_BYTES, CPU_KV_SHARE_OF_RAM, available_ram_bytes
+    from zipage.engine.models import head_dim_of
 
     hf = model.config
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * model.dtype.itemsize

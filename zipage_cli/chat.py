@@ -17,10 +17,10 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane
 
-from engine.service import EngineThread, RequestHandle
-from zipage_cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
-from zipage_cli.themes import ThemedApp, theme_names
-from zipage_cli.widgets import BlockTable, EnginePanes, HelpScreen, drain, printable, session_name_widget_id
+from zipage.engine.service import EngineThread, RequestHandle
+from zipage.cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
+from zipage.cli.themes import ThemedApp, theme_names
+from zipage.cli.widgets import BlockTable, EnginePanes, HelpScreen, drain, printable, session_name_widget_id
 
 REFRESH_S = 0.25  # side panes redraw rate
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often

@@ -6,7 +6,7 @@
    compared with the full-KV distribution: does its argmax equal the full-KV token, and what is
    KL(full || compressed)?
 
-Run: `zipage eval fidelity` or `python -m zipage_cli.fidelity`.
+Run: `zipage eval fidelity` or `python -m zipage.cli.fidelity`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig, SamplingParams
-from engine.core import EngineCore
-from engine.loader import resolve_model
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core import EngineCore
+from zipage.engine.loader import resolve_model
 
 PROMPTS = [
     "A train leaves at 3:40 pm and arrives at 6:15 pm. How long is the trip? Think step by step.",

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from zipage_cli.options import engine_options
+from zipage.cli.options import engine_options
 
 app = typer.Typer(
     name="zipage",
@@ -41,8 +41,8 @@ def generate(
     """Stream the model's answer to a prompt to standard output."""
     import time
 
-    from engine.config import SamplingParams
-    from engine.service import EngineThread
+    from zipage.engine.config import SamplingParams
+    from zipage.engine.service import EngineThread
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -94,7 +94,7 @@ def generate(
 @app.command(epilog="Example:\n\n  zipage models")
 def models():
     """List the built-in models, the random-weight presets and the models in the local cache."""
-    from engine.loader import list_models
+    from zipage.engine.loader import list_models
 
     table = Table(title="Zipage models")
     table.add_column("name", style="bold")
@@ -131,7 +131,7 @@ def eval_fidelity(
     scoring ablations and two baselines (random eviction; sinks + most recent) at equal budgets."""
     import json
 
-    from zipage_cli import fidelity
+    from zipage.cli import fidelity
 
     try:
         budget_list = [int(b) for b in budgets.split(",")]
@@ -151,7 +151,7 @@ def eval_fidelity(
 
 def _load_engine(engine_kwargs: dict):
     """Start the engine behind a spinner; bad knobs or models exit with status 2."""
-    from engine.service import EngineThread
+    from zipage.engine.service import EngineThread
 
     try:
         with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
@@ -162,7 +162,7 @@ def _load_engine(engine_kwargs: dict):
 
 
 def _check_theme(theme: str) -> None:
-    from zipage_cli.themes import check_theme
+    from zipage.cli.themes import check_theme
 
     try:
         check_theme(theme)
@@ -189,8 +189,8 @@ def chat(
     engine_kwargs: dict = None,
 ):
     """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside."""
-    from engine.config import SamplingParams
-    from zipage_cli.plain_chat import Conversation, run_plain
+    from zipage.engine.config import SamplingParams
+    from zipage.cli.plain_chat import Conversation, run_plain
 
     _check_theme(theme)
     try:
@@ -202,7 +202,7 @@ def chat(
     engine = _load_engine(engine_kwargs)
     try:
         if full_screen:
-            from zipage_cli.chat import ChatApp
+            from zipage.cli.chat import ChatApp
 
             ChatApp(engine, theme, sessions, temperature, max_tokens, system).run()
         else:
@@ -230,8 +230,8 @@ def top(
     engine_kwargs: dict = None,
 ):
     """Watch the engine under load, block by block; teaching mode explains it one step at a time."""
-    from engine.config import SamplingParams
-    from zipage_cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
+    from zipage.engine.config import SamplingParams
+    from zipage.cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
 
     _check_theme(theme)
     try:
@@ -268,7 +268,7 @@ def bench(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from zipage_cli.bench import MODES, run_bench
+    from zipage.cli.bench import MODES, run_bench
 
     bad = [m for m in mode if m not in MODES]
     if bad:

@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 
 import typer
 
-from engine.config import EngineConfig
+from zipage.engine.config import EngineConfig
 
 # Help text per knob; fields not listed get a generic line.
 KNOB_HELP = {

@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from engine.config import SamplingParams
-from engine.service import EngineThread
+from zipage.engine.config import SamplingParams
+from zipage.engine.service import EngineThread
 
 SETTING_COMMANDS = """\
 /temp X       sampling temperature for this session (0 = greedy)
@@ -140,7 +140,7 @@ def run_plain(engine: EngineThread, conv: Conversation, stdin: TextIO = sys.stdi
     from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
 
-    from engine.loader import cache_dir
+    from zipage.engine.loader import cache_dir
 
     keys = KeyBindings()
 

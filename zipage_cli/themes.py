@@ -18,7 +18,7 @@ THEME_SOURCE = "zipage-theme"  # the stylesheet key under which the current them
 
 
 def theme_names() -> list[str]:
-    found = {f.name.removesuffix(".tcss") for f in resources.files("themes").iterdir() if f.name.endswith(".tcss")}
+    found = {f.name.removesuffix(".tcss") for f in resources.files("zipage.themes").iterdir() if f.name.endswith(".tcss")}
     return [n for n in ORDER if n in found] + sorted(found - set(ORDER))
 
 
@@ -31,7 +31,7 @@ def check_theme(name: str) -> str:
 
 
 def theme_css(name: str) -> str:
-    return resources.files("themes").joinpath(f"{check_theme(name)}.tcss").read_text(encoding="utf-8")
+    return resources.files("zipage.themes").joinpath(f"{check_theme(name)}.tcss").read_text(encoding="utf-8")
 
 
 class ThemedApp(App):

@@ -24,11 +24,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Static
 
-from engine.config import SamplingParams
-from engine.events import EngineSnapshot, Event, RequestInfo
-from engine.service import EngineThread
-from zipage_cli.themes import ThemedApp
-from zipage_cli.widgets import EnginePanes, HelpScreen, PoolMap, describe_event, drain
+from zipage.engine.config import SamplingParams
+from zipage.engine.events import EngineSnapshot, Event, RequestInfo
+from zipage.engine.service import EngineThread
+from zipage.cli.themes import ThemedApp
+from zipage.cli.widgets import EnginePanes, HelpScreen, PoolMap, describe_event, drain
 
 REFRESH_S = 0.25
 

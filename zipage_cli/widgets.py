@@ -18,7 +18,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Sparkline, Static
 
-from engine.events import EVENT_KINDS, EngineSnapshot, Event, RequestInfo
+from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, RequestInfo
 
 ROLES = ("shared", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from engine.models.parallel import TensorParallel
+from zipage import kernels
+from zipage.engine.models.parallel import TensorParallel
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
