@@ -15,18 +15,10 @@ import torch
 from zipage import kernels
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.config import EngineConfig
+from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.sequence import Sequence, Status
 
 NEAR_DUPLICATE = 0.5  # cosine similarity above which two keys count as near-duplicates
-
-
-def compression_point(num_tokens: int, budget_tokens: int, trigger_len: int, prefill: bool) -> int:
-    """The KV length at which a request is next compressed, whose last w entries form the window.
-    A prompt (or recomputed sequence) longer than the budget is compressed right after its prefill,
-    before its first decode step; otherwise a request is compressed when it fills N_max blocks."""
-    if prefill and num_tokens > budget_tokens:
-        return num_tokens
-    return trigger_len
 
 
 @dataclass
@@ -52,16 +44,18 @@ class CompressionJob:
 
 
 class Compressor:
-    def __init__(self, config: EngineConfig, runner, blocks: BlockManager, block_size: int):
+    def __init__(self, config: EngineConfig, runner, blocks: BlockManager, block_size: int,
+                 geometry: CompressionGeometry | None = None):
         self.config = config
         self.runner = runner
         self.blocks = blocks
         self.block_size = block_size
-        self.budget_blocks = config.max_cache_blocks_per_seq
-        self.keep = self.budget_blocks * block_size
-        self.window = config.window
-        self.recent = config.recent_kept(self.keep)
-        self.trigger_len = (self.budget_blocks + 1) * block_size  # kv_len that forces a compression
+        self.geometry = geometry = geometry or CompressionGeometry.from_config(config, block_size)
+        self.budget_blocks = geometry.budget_blocks
+        self.keep = geometry.budget_tokens
+        self.window = geometry.window
+        self.recent = geometry.recent_kept
+        self.trigger_len = geometry.trigger_len
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # random baseline
         # On CUDA, compression runs on its own stream so decoding never waits for it.
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
@@ -194,7 +188,6 @@ class Compressor:
         seq.kv_len = self.keep
         seq.num_scored = self.keep
         seq.times_compressed += 1
-        seq.compress_after_prefill = False
         seq.status = Status.RUNNING
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from zipage.engine.block_manager import BlockManager
-from zipage.engine.compressor import CompressionJob, Compressor, compression_point
+from zipage.engine.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.detokenizer import IncrementalDetokenizer
+from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
                            MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
@@ -59,14 +60,8 @@ class EngineCore:
         hf = self.source.hf_config
         device = resolve_device(config.device)
         self.block_size = config.block_size or (256 if device.type == "cuda" else 32)
-        if config.compression and config.window >= self.block_size:
-            raise ValueError(f"window={config.window}: must be smaller than block_size ({self.block_size})")
-        self.budget_tokens = budget_tokens = config.max_cache_blocks_per_seq * self.block_size
-        protected = config.num_sink_tokens + config.recent_kept(budget_tokens)
-        if config.compression and protected > budget_tokens:
-            raise ValueError(f"num_sink_tokens={config.num_sink_tokens}, recent_share={config.recent_share}: "
-                             f"sinks plus the newest entries kept ({protected}) must fit in the budget of "
-                             f"{budget_tokens} tokens")
+        # Every compression length, derived once (and checked) for the scheduler, runner and cache.
+        self.geometry = CompressionGeometry.from_config(config, self.block_size) if config.compression else None
         model_limit = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN) or DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len={config.max_model_len}: the model supports at most {model_limit}")
@@ -80,19 +75,16 @@ class EngineCore:
                                                     self.block_size, self.max_model_len)
             tp = self.tp_workers.tp
         try:
-            self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len, tp)
+            self.runner = ModelRunner(config, self.source, self.block_size, self.max_model_len, tp, self.geometry)
         except BaseException:
             if self.tp_workers is not None:
                 self.tp_workers.close()
             raise
         self.runner.workers = self.tp_workers
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size, config.prefix_caching)
-        if config.compression:
-            # Window queries are only made by prefill: the cache may not serve the window positions.
-            trigger = config.max_blocks_per_seq_compressed * self.block_size
-            self.blocks.max_cached_tokens = lambda seq: compression_point(
-                seq.num_tokens, budget_tokens, trigger, prefill=True) - config.window
-        self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size)
+        if self.geometry is not None:
+            self.blocks.max_cached_tokens = self.geometry.max_cached_tokens
+        self.compressor = (Compressor(config, self.runner, self.blocks, self.block_size, self.geometry)
                            if config.compression else None)
         if self.compressor is not None and not config.enforce_eager:
             self.compressor.capture_graphs()
@@ -227,13 +219,12 @@ class EngineCore:
             seq.num_computed_tokens += n
             seq.kv_len += n
             self.blocks.commit_full_blocks(seq)
+            if batch.is_prefill and not seq.in_prefill:
+                self._event("prefilled", seq, tokens=seq.num_computed_tokens,
+                            seconds=round(time.monotonic() - now, 4))
             token = tokens[i]
             if token is None:
                 continue
-            if batch.is_prefill:
-                self._event("prefilled", seq, tokens=seq.num_tokens, seconds=round(time.monotonic() - now, 4))
-                if self.compressor is not None and not seq.is_compressed and seq.kv_len > self.budget_tokens:
-                    seq.compress_after_prefill = True  # never decode over the budget
             seq.append_token(token)
             self.totals["generated_tokens"] += 1
             out = self._after_token(seq, token)

@@ -9,7 +9,7 @@ import torch
 from zipage import kernels
 from zipage.engine.config import EngineConfig
 from zipage.engine.loader import ModelSource
-from zipage.engine.compressor import compression_point
+from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.cuda_graphs import DecodeGraphs
 from zipage.engine.models import CausalLM, ForwardBatch, head_dim_of
 from zipage.engine.models.parallel import TensorParallel
@@ -54,7 +54,7 @@ class ModelRunner:
     forward on their heads; sampling happens on rank 0 only."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, block_size: int, max_model_len: int,
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), geometry: CompressionGeometry | None = None):
         self.config = config
         self.tp = tp
         self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
@@ -69,7 +69,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
 
         if self.device.type == "cuda":
-            import kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
+            import zipage.kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
         torch.manual_seed(config.seed)
         # Build straight on the device in the serving dtype: no full-precision copy in host memory.
         previous_dtype = torch.get_default_dtype()
@@ -89,8 +89,7 @@ class ModelRunner:
 
         self.compression = config.compression
         self.window = config.window
-        self.trigger_len = config.max_blocks_per_seq_compressed * block_size
-        self.budget_tokens = config.max_cache_blocks_per_seq * block_size
+        self.geometry = geometry  # where window queries go (rank 0 only: the others get packed rows)
         # Every rank holds the same blocks and slots: the fewest any of them has room for.
         self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
         shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -195,16 +194,6 @@ class ModelRunner:
     def _slot(self, seq, kv_index: int) -> int:
         return seq.block_table[kv_index // self.block_size] * self.block_size + kv_index % self.block_size
 
-    def _query_rows(self, seq, kv_range: range, is_prefill: bool) -> list[int]:
-        """Query-cache row of each new KV entry, or -1. Entries among the last w before the next
-        compression point are kept, in row j % w of the request's slot."""
-        if seq.query_slot is None:
-            return [-1] * len(kv_range)
-        end = compression_point(seq.num_tokens, self.budget_tokens, self.trigger_len, is_prefill)
-        start = end - self.window
-        base = seq.query_slot * self.window
-        return [base + j % self.window if start <= j < end else -1 for j in kv_range]
-
     def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict, list[int]]:
         """All the batch metadata as one int64 host tensor plus a small header (what every rank
         needs to rebuild the forward), and the batch index of each sampling row."""
@@ -218,7 +207,7 @@ class ModelRunner:
             kv_range = range(seq.kv_len, seq.kv_len + n)
             slots += [self._slot(seq, j) for j in kv_range]
             if self.compression:
-                rows = self._query_rows(seq, kv_range, batch.is_prefill)
+                rows = [self.geometry.window_row(seq, j) for j in kv_range]
                 any_query = any_query or any(r >= 0 for r in rows)
                 query_rows += rows
             context_lens.append(seq.kv_len + n)

@@ -39,10 +39,7 @@ class Scheduler:
         self.compressor = compressor  # None: full-KV baseline
         self.num_query_slots = num_query_slots
         self.free_slots: list[int] = list(range(num_query_slots))
-        if compressor is not None:
-            self.trigger_len = compressor.trigger_len
-            self.window_start = compressor.trigger_len - config.window
-            self.budget_tokens = compressor.keep
+        self.geometry = compressor.geometry if compressor is not None else None
 
     # -- queues --------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -88,9 +85,16 @@ class Scheduler:
             return False
         if not self.config.hybrid_scheduling:
             return True  # without hybrid scheduling every running request holds a slot
-        # A prompt longer than the budget writes its window queries at prefill: it is compressed
-        # right after. (The budget ends before the trigger's window starts, since w < block size.)
-        return seq.num_tokens > self.budget_tokens
+        # A prefill that computes window positions (a prompt longer than the budget, or a recompute
+        # that reaches the trigger's window) must write their queries.
+        return self.geometry.prefill_end(seq) > self.geometry.window_start(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        self.blocks.allocate(seq)
+        seq.prefill_end = self.geometry.prefill_end(seq) if self.geometry is not None else seq.num_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -111,7 +115,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is Status.RUNNING and seq.in_prefill:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = min(seq.prefill_end - seq.num_computed_tokens, budget)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
@@ -121,11 +125,8 @@ class Scheduler:
                 break
             if self._needs_slot_at_admission(seq) and not self._take_slot(seq):
                 break
-            self.waiting.popleft()
-            self.blocks.allocate(seq)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self._admit(seq)
+            n = min(seq.prefill_end - seq.num_computed_tokens, budget)
             seqs.append(seq)
             counts.append(n)
             admitted.append(seq)
@@ -139,14 +140,14 @@ class Scheduler:
         queue = [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
         while queue:
             seq = queue.pop(0)
-            if self.compressor is not None and (seq.kv_len >= self.trigger_len or seq.compress_after_prefill):
+            if self.geometry is not None and self.geometry.needs_compression(seq):
                 if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
                         seq, preempted, queue, seqs):
                     # Planning takes its fresh blocks now, so no later append this step can take them;
                     # from now on the request is under compression and never preempted.
                     compress.append(self.compressor.plan(seq))
                 continue
-            if self.compressor is not None and seq.kv_len >= self.window_start and seq.query_slot is None:
+            if self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
                 continue  # its next query belongs to the window: it waits for a slot
             while not self.blocks.append_block(seq):
                 victim = self._pick_victim(exclude=seq)

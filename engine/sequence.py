@@ -48,13 +48,13 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens of token_ids whose KV has been computed
         self.num_cached_prefix_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.prefill_end = 0  # tokens the current prefill computes (set at admission)
 
         # Compression state
         self.times_compressed = 0
         self.query_slot: int | None = None
         self.pending_blocks: list[int] = []  # fresh blocks reserved by a compression in flight
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
-        self.compress_after_prefill = False  # a prefill left more than the budget: compress first
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed
@@ -89,8 +89,10 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        """True while more than the newest token still needs its KV computed (prompt or recompute)."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        """True until the prefill planned at admission (prompt, or recompute) has computed its KV.
+        Decided by that plan, not by how many tokens remain, so a chunk boundary that leaves one
+        prompt token never sends the request down the decode path early."""
+        return self.num_computed_tokens < self.prefill_end
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
