@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
 
 EVICTION_POLICIES = ("score", "random", "recent")
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
+
+
+def _as_list(name: str, value, kind: type) -> list:
+    """A stop list given as one item, a list or tuple, or None; anything else names the field."""
+    if value is None:
+        return []
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    _fail(name, value, f"must be a {kind.__name__}, a list of them, or None")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _fail(name: str, value, why: str) -> None:
@@ -111,8 +129,8 @@ class EngineConfig:
             self._positive_int("num_kv_blocks")
         if not 0.0 < float(self.memory_utilization) <= 1.0:
             _fail("memory_utilization", self.memory_utilization, "must be in (0, 1]")
-        if self.kv_cache_gb is not None and not float(self.kv_cache_gb) > 0:
-            _fail("kv_cache_gb", self.kv_cache_gb, "must be > 0")
+        if self.kv_cache_gb is not None and not (_is_number(self.kv_cache_gb) and 0 < self.kv_cache_gb < 1 << 20):
+            _fail("kv_cache_gb", self.kv_cache_gb, "must be a number of GiB, > 0 and finite")
         if not 0.0 <= float(self.global_decay) <= 1.0:
             _fail("global_decay", self.global_decay, "must be in [0, 1]")
         if not 0.0 <= float(self.redundancy_lambda) <= 1.0:
@@ -157,17 +175,13 @@ class SamplingParams:
     stop_strings_in_output: bool = False  # keep the matched stop string in the text
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
         def number(name):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                _fail(name, value, "must be a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                _fail(name, value, "must be a finite number")
             return float(value)
 
         if number("temperature") < 0:
@@ -178,12 +192,15 @@ class SamplingParams:
             _fail("top_k", self.top_k, "must be an integer >= -1 (0 or -1 disables it)")
         if not 0.0 <= number("min_p") <= 1.0:
             _fail("min_p", self.min_p, "must be in [0, 1]")
-        if not number("repetition_penalty") > 0:
-            _fail("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not MIN_PENALTY <= number("repetition_penalty") <= 1 / MIN_PENALTY:
+            _fail("repetition_penalty", self.repetition_penalty, f"must be in [{MIN_PENALTY:g}, {1 / MIN_PENALTY:g}]")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            _fail("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 64):
+            _fail("seed", self.seed, "must be None or an integer in [0, 2**64)")
+        self.stop = _as_list("stop", self.stop, str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", self.stop, "must be non-empty strings")
@@ -193,4 +210,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing the logits by the temperature only overflows: it is argmax.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

@@ -96,11 +96,13 @@ class EngineCore:
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
         self.vocab_size = hf.vocab_size
 
+        self.closed = False
         self.requests: dict[int, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_SIZE)
         self.meter = ThroughputMeter()
         self.step_count = 0
+        self.num_added = 0  # requests ever added: each one's sampling stream is derived from its index
         self.event_count = 0  # events ever logged (the log itself is bounded)
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "preemptions": 0,
                        "prefix_hit_tokens": 0, "compressions": 0}
@@ -155,14 +157,20 @@ class EngineCore:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode_prompt(text)
 
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("engine is closed")
+
     def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
                     stream: bool = False) -> Sequence:
+        self.check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = self.check_prompt(self.encode_prompt(prompt))
-        seq = Sequence(ids, params, session=session)
+        seq = Sequence(ids, params, session=session, stream_seed=_stream_seed(self.config.seed, self.num_added))
+        self.num_added += 1
         self.requests[seq.id] = seq
         if stream or params.stop:
             self.detokenizers[seq.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
@@ -395,12 +403,27 @@ class EngineCore:
             assert len(slots) + len(self.scheduler.free_slots) == self.scheduler.num_query_slots
 
     def close(self) -> None:
+        """Abort every request, stop the workers and release the pool and weights. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         for request_id in list(self.requests):
             self.abort(request_id)
         if self.worker is not None:
             self.worker.shutdown(wait=True)
         if self.tp_workers is not None:
             self.tp_workers.close()
+        if self.compressor is not None:
+            self.compressor.graphs.clear()  # they hold device memory
+        self.runner.release()
+
+
+def _stream_seed(engine_seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for the index-th request (SplitMix64's finaliser)."""
+    x = (engine_seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

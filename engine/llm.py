@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import torch
+
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.events import EngineSnapshot
 
 STALL_STEPS = 10_000  # steps without a forward pass or an event before generate() gives up
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt or a list of them, as a list; anything else is a ValueError."""
+    if isinstance(prompts, (str, bytes, bytearray)):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            return [prompts]
+        if prompts.dim() == 2:
+            return list(prompts)
+        raise ValueError(f"a prompt tensor must be 1-D (one prompt) or 2-D (a batch), got {prompts.dim()}-D")
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt as token ids
+        return list(prompts)
+    raise ValueError("prompts must be a string, a list of token ids, a 1-D tensor, or a list of these; "
+                     f"got {type(prompts).__name__}")
 
 
 class LLM:
@@ -23,31 +43,45 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  sessions: list[str] | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a list (strings or token-id lists); outputs keep prompt order.
+        """Generate for one prompt or a list (strings, token-id lists or 1-D tensors); outputs keep
+        prompt order.
 
-        Every prompt is checked before any starts, so a bad one raises ValueError and runs nothing.
+        Every prompt, parameter and session is checked before any request is queued, so bad input
+        raises ValueError and runs nothing. An interrupted call (Ctrl+C) aborts its requests.
         """
-        single = isinstance(prompts, (str, bytes)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        if single:
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if not prompts:
             return []
-        if isinstance(params, list):
+        if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-            param_list = params
+            param_list = list(params)
         else:
             param_list = [params or SamplingParams()] * len(prompts)
+        for i, sp in enumerate(param_list):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"params[{i}] must be SamplingParams, got {type(sp).__name__}")
+            sp.validate()
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"got {len(sessions)} sessions for {len(prompts)} prompts")
+        self.engine.check_open()
         ids = [self.engine.check_prompt(self.engine.encode_prompt(p)) for p in prompts]  # all before any runs
-        seqs = [self.engine.add_request(p, sp, session=sessions[i] if sessions else None)
-                for i, (p, sp) in enumerate(zip(ids, param_list))]
-        return self._run_until_done(seqs)
+        seqs = []
+        try:
+            for i, (p, sp) in enumerate(zip(ids, param_list)):
+                seqs.append(self.engine.add_request(p, sp, session=sessions[i] if sessions else None))
+            return self._run_until_done(seqs)
+        except BaseException:  # Ctrl+C or a failure: nothing of this call is left running
+            for seq in seqs:
+                self.engine.abort(seq.id)
+            raise
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None):
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        single = bool(messages) and isinstance(messages[0], dict)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
+                             "(or a list of such conversations)")
+        single = isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         outs = self.generate(prompts, params)
@@ -73,7 +107,8 @@ class LLM:
         return self.engine.snapshot()
 
     def close(self) -> None:
-        """Abort whatever still runs, free its blocks and stop the compression worker."""
+        """Abort whatever still runs, stop the compression worker and release the KV pool and the
+        weights (device memory included). Later calls raise "engine is closed"."""
         self.engine.close()
 
     def __enter__(self):

@@ -320,7 +320,15 @@ def _listed_safetensors(folder: Path) -> list[Path]:
     index = folder / SAFETENSORS_INDEX
     if not index.is_file():
         return sorted(folder.glob("*.safetensors"))
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(index)!r} is not valid JSON: {err}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"{str(index)!r} has no usable \"weight_map\" of tensor names to shard files") from None
+    if not all(isinstance(shard, str) for shard in shards):
+        raise ValueError(f"{str(index)!r}: \"weight_map\" must map tensor names to shard file names")
     missing = [shard for shard in shards if not (folder / shard).is_file()]
     if missing:
         raise ValueError(f"{str(folder)!r}: {SAFETENSORS_INDEX} names missing shards {missing}")

@@ -132,7 +132,20 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
+        if self.model is None:  # released
+            return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def release(self) -> None:
+        """Drop the KV pool, the weights and the CUDA graphs, so their device memory returns now and
+        not whenever the engine object is garbage-collected (a second engine sizes its pool then)."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.query_cache = self.score_cache = empty
+        self.graphs = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _size_pool(self) -> tuple[int, int]:
         """(blocks, query slots). Slots and blocks share one budget:

@@ -28,6 +28,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens above it already reach top_p; the first always stays.
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[..., 0] = False  # however small top_p is (even below float32's range)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)

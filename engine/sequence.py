@@ -30,7 +30,7 @@ class Sequence:
     """
 
     def __init__(self, token_ids: list[int], params: SamplingParams, *, session: str | None = None,
-                 request_id: int | None = None):
+                 request_id: int | None = None, stream_seed: int | None = None):
         self.id = next(_ids) if request_id is None else request_id
         self.session = session
         self.params = params
@@ -58,9 +58,12 @@ class Sequence:
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed
+        # Each sampling request draws from its own stream: its own seed, else one derived from the
+        # engine's seed and its arrival index, so what it samples never depends on what else runs.
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else stream_seed
+        if seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(seed)
 
     # -- token bookkeeping -------------------------------------------------
     @property

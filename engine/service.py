@@ -9,13 +9,31 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.events import EngineSnapshot, Event
 
 SNAPSHOT_INTERVAL_S = 0.25
+SUBSCRIBER_QUEUE_SIZE = 10_000  # events an unread subscriber queue holds before dropping the oldest
 _END = object()
+_LIVE: "weakref.WeakSet[EngineThread]" = weakref.WeakSet()
+_exit_hook = []
+
+
+def _close_at_exit(service: "EngineThread") -> None:
+    if not _exit_hook:
+        # threading's exit hooks run before concurrent.futures shuts its workers down (hooks run
+        # newest first) and before daemon threads are frozen: the loop can still end cleanly.
+        threading._register_atexit(_close_live_engines)
+        _exit_hook.append(_close_live_engines)
+    _LIVE.add(service)
+
+
+def _close_live_engines() -> None:
+    for service in list(_LIVE):
+        service.close()
 
 
 class RequestHandle:
@@ -33,10 +51,13 @@ class RequestHandle:
         while True:
             item = self._deltas.get()
             if item is _END:
+                self._deltas.put(_END)  # a second iteration (or another reader) ends at once too
                 return
             yield item
 
     def _push(self, out: RequestOutput) -> None:
+        if self._done.is_set():
+            return  # the first end is the one reported (an error is never overwritten by an abort)
         if out.delta:
             self._deltas.put(out.delta)
         if out.finished:
@@ -59,6 +80,31 @@ class RequestHandle:
         return self.output.finish_reason if self.output else None
 
 
+class EventQueue(queue.Queue):
+    """A subscriber's queue of events. Bounded: when nobody reads it, the oldest events are dropped
+    and counted in `dropped`, so an idle subscriber never grows memory without end."""
+
+    def __init__(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE):
+        super().__init__(maxsize)
+        self.dropped = 0
+
+    def offer(self, event: Event) -> None:
+        while True:
+            try:
+                self.put_nowait(event)
+                return
+            except queue.Full:
+                try:
+                    self.get_nowait()
+                    self.dropped += 1
+                except queue.Empty:
+                    pass
+
+
+class EngineClosed(RuntimeError):
+    """The engine no longer takes requests: it was closed, or its thread failed (see the message)."""
+
+
 class EngineThread:
     """`EngineThread(model, **knobs)`: submit / stream / abort / snapshot / subscribe / close."""
 
@@ -68,8 +114,12 @@ class EngineThread:
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
-        self._subscribers: list[queue.Queue] = []
+        self._subscribers: list[EventQueue] = []
         self._lock = threading.Lock()
+        # Taken to post to the inbox and to close it: nothing can land in the inbox after the loop's
+        # last drain, so no caller ever waits for a reply that will not come.
+        self._inbox_lock = threading.Lock()
+        self._inbox_closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -80,13 +130,15 @@ class EngineThread:
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="zipage-engine", daemon=True)
         self._thread.start()
+        # At interpreter exit, stop the loop before the compression worker and daemon threads are
+        # torn down under it (a busy engine would otherwise crash the process on its way out).
+        _close_at_exit(self)
 
     # -- client side ---------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RequestHandle:
         """Queue a prompt (text, token ids, or a list of chat messages). Bad input raises ValueError here,
         in the caller's thread, and the engine keeps serving everyone else."""
-        if self._stop.is_set():
-            raise RuntimeError("engine is closed")
+        self._check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -95,31 +147,28 @@ class EngineThread:
             ids = self.engine.apply_chat_template(prompt)
         else:
             ids = self.engine.encode_prompt(prompt)
-        reply: queue.Queue = queue.Queue()
-        self._inbox.put(("submit", (ids, params, session), reply))
-        self._wake.set()
-        ok, value = reply.get()
+        ok, value = self._call("submit", (ids, params, session))
         if not ok:
             raise value
         return value
 
     def abort(self, handle: RequestHandle | int) -> None:
         request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)
-        self._inbox.put(("abort", request_id, None))
-        self._wake.set()
+        self._post("abort", request_id, None)
 
     def snapshot(self, fresh: bool = False) -> EngineSnapshot:
         """The latest published snapshot; `fresh=True` waits for one taken now."""
-        if fresh and self._thread.is_alive():
-            reply: queue.Queue = queue.Queue()
-            self._inbox.put(("snapshot", None, reply))
-            self._wake.set()
-            return reply.get()
+        if fresh:
+            try:
+                return self._call("snapshot", None)
+            except EngineClosed:
+                pass
         return self._snapshot
 
-    def subscribe(self) -> queue.Queue:
-        """A queue that receives every engine Event from now on."""
-        q: queue.Queue = queue.Queue()
+    def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
+        """A queue that receives every engine Event from now on (the oldest are dropped, and
+        counted in its `dropped`, once `maxsize` wait unread)."""
+        q = EventQueue(maxsize)
         with self._lock:
             self._subscribers.append(q)
         return q
@@ -143,17 +192,41 @@ class EngineThread:
 
     def step_once(self, timeout: float = 30.0) -> EngineSnapshot:
         """While paused: run exactly one engine step and return the snapshot after it."""
-        reply: queue.Queue = queue.Queue()
-        self._inbox.put(("step", None, reply))
-        self._wake.set()
-        return reply.get(timeout=timeout)
+        return self._call("step", None, timeout)
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
+        """Abort what still runs (each handle ends with "abort"), free the pool and stop the thread."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._inbox_closed
+
+    # -- the inbox: every request to the engine thread ------------------------------------
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise EngineClosed(f"the engine thread failed: {self.failure!r}")
+        if self._inbox_closed or self._stop.is_set():
+            raise EngineClosed("engine is closed")
+
+    def _post(self, kind: str, payload, reply) -> None:
+        with self._inbox_lock:
+            self._check_open()
+            self._inbox.put((kind, payload, reply))
+        self._wake.set()
+
+    def _call(self, kind: str, payload, timeout: float | None = None):
+        """Post to the engine thread and wait for its answer. A closing loop answers every message
+        it still holds, so this never waits on a stopped engine."""
+        reply: queue.Queue = queue.Queue()
+        self._post(kind, payload, reply)
+        ok, value = reply.get(timeout=timeout) if timeout is not None else reply.get()
+        if ok is None:
+            raise value
+        return (ok, value) if kind == "submit" else value
 
     def __enter__(self):
         return self
@@ -172,19 +245,37 @@ class EngineThread:
                     self._wake.clear()
                     continue
                 self._run_step()
-        except BaseException as e:  # the loop itself broke: fail every request loudly
+        except BaseException as e:  # the loop itself broke: every request ends "error" with the cause
             self.failure = e
             for handle in list(self._handles.values()):
                 handle._push(RequestOutput(handle.id, handle.session, [], [], "", "", True, "error",
                                            f"engine thread failed: {e!r}"))
             raise
         finally:
-            for request_id in list(self.engine.requests):
-                out = self.engine.abort(request_id)
-                if out is not None:
-                    self._deliver([out])
-            self.engine.close()
-            self._publish(force=True)
+            self._close_inbox()
+            try:
+                for request_id in list(self.engine.requests):
+                    out = self.engine.abort(request_id)
+                    if out is not None:
+                        self._deliver([out])
+                self.engine.close()
+            finally:
+                self._publish(force=True)
+
+    def _close_inbox(self) -> None:
+        """Refuse new messages, then answer every one still queued: submits and waits fail with the
+        reason, aborts are moot (every request is about to end)."""
+        with self._inbox_lock:
+            self._inbox_closed = True
+        reason = (EngineClosed(f"the engine thread failed: {self.failure!r}") if self.failure is not None
+                  else EngineClosed("engine is closed"))
+        while True:
+            try:
+                _, _, reply = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if reply is not None:
+                reply.put((None, reason))
 
     def _run_step(self) -> None:
         self._deliver(self.engine.step())
@@ -211,11 +302,11 @@ class EngineThread:
                 if out is not None:
                     self._deliver([out])
             elif kind == "snapshot":
-                reply.put(self._publish(force=True))
+                reply.put((True, self._publish(force=True)))
             elif kind == "step":
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
-                reply.put(self._publish(force=True))
+                reply.put((True, self._publish(force=True)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -233,7 +324,7 @@ class EngineThread:
             with self._lock:
                 for q in self._subscribers:
                     for event in new_events:
-                        q.put(event)
+                        q.offer(event)
         if force or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
             self._snapshot = self.engine.snapshot()
             self._snapshot_time = now

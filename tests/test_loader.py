@@ -338,3 +338,34 @@ def test_env_cache_dir(monkeypatch, tmp_path):
     assert loader.cache_dir() == tmp_path
     monkeypatch.delenv("ZIPAGE_CACHE")
     assert loader.cache_dir() == Path(os.path.expanduser("~/.cache/zipage"))
+
+
+@pytest.mark.parametrize("index_text,match", [
+    ("{not json", "not valid JSON"),
+    ('{"metadata": {}}', "weight_map"),
+    ('["a list"]', "weight_map"),
+    ('{"weight_map": {"a.weight": 3}}', "shard file names"),
+])
+def test_bad_safetensors_index_names_the_file(tmp_path, index_text, match):
+    _save_tiny_hf_model(tmp_path, preset="qwen2-tiny", max_shard_size="100KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(index_text)
+    with pytest.raises(ValueError, match=match) as err:
+        resolve_model(str(tmp_path))
+    assert "model.safetensors.index.json" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    from zipage.engine import LLM
+
+    _save_tiny_hf_model(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    tensors[name][0, 0] = bad
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{name}.*NaN or infinite"):
+        LLM(str(tmp_path), device="cpu", num_kv_blocks=8)

@@ -299,6 +299,8 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.copy_(tensor.to(param.dtype))
+    if not torch.isfinite(param).all():  # checked after the cast: a value can also overflow the dtype
+        raise ValueError(f"weight {name!r} holds NaN or infinite values: the model file is corrupt")
 
 
 def _map_name(name: str) -> tuple[str | None, str | None]:
