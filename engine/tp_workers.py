@@ -7,13 +7,14 @@ every rank runs on its own heads, in the order it was sent. Commands travel over
 (`broadcast_object_list`); activations over NCCL on GPUs, gloo on CPUs.
 
 The processes are daemons started with `spawn`: they end with the engine (`close`), when rank 0's
-process exits, or on Ctrl-C, and never outlive it.
+process exits (Ctrl-C included: they ignore it themselves and follow rank 0), and never outlive it.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 from datetime import timedelta
 
@@ -119,6 +120,10 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_sp
     from zipage.engine.loader import resolve_model
     from zipage.engine.model_runner import ModelRunner
 
+    # Ctrl-C reaches the whole process group. A worker that left on it could quit between two
+    # collectives of one forward and leave rank 0 blocked in the next one for good; so workers
+    # ignore it and follow rank 0, which stops them (or whose exit terminates them).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(max(1, threads))
     ready.put(rank)
     control = _join_group(rank, size, port, config.device)
@@ -140,7 +145,5 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_sp
                 break
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {op!r}")
-    except KeyboardInterrupt:
-        pass
     finally:
         dist.destroy_process_group()

@@ -56,8 +56,11 @@ def test_two_sessions_stream_concurrently_and_blocks_come_and_go(engine):
                 await wait_for(pilot, lambda: first.handle and second.handle, what="both submits")
 
                 engine.step_once()  # prefill: both requests now hold blocks
-                await wait_for(pilot, lambda: {r.session for r in app.query_one(BlockTable).requests}
-                               == {"chat-1", "chat-2"}, what="both requests in the block pane")
+                # The pane may still show an older snapshot, taken while both requests were waiting
+                # (listed, but holding no blocks yet): wait for one that shows them admitted.
+                await wait_for(pilot, lambda: {r.session for r in app.query_one(BlockTable).requests
+                                               if r.block_table} == {"chat-1", "chat-2"},
+                               what="both requests holding blocks in the block pane")
                 table = app.query_one(BlockTable)
                 for request in table.requests:
                     assert len(request.block_table) == len(request.block_roles) > 0
