@@ -157,6 +157,11 @@ class BlockManager:
         """The sequence's blocks no one else references: compression may overwrite these."""
         return [b for b in seq.block_table if self.blocks[b].ref_count == 1]
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the prefix cache can serve this block to a later request."""
+        block = self.blocks[block_id]
+        return block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id
+
     def forget_hash(self, block_id: int) -> None:
         """Take a block out of the prefix cache before its content is overwritten."""
         block = self.blocks[block_id]

@@ -63,23 +63,41 @@ class Compressor:
 
     # -- planning (engine thread) ---------------------------------------------------
     def fresh_blocks_needed(self, seq: Sequence) -> int:
-        return max(0, self.budget_blocks + 1 - len(self.blocks.private_blocks(seq)))
+        """Free blocks a compression of `seq` cannot do without: its targets and decode block must be
+        private. Shared prefix blocks are never written."""
+        return max(0, self.geometry.max_blocks - len(self.blocks.private_blocks(seq)))
 
-    def plan(self, seq: Sequence) -> CompressionJob:
-        """Choose targets among the request's private blocks (shared prefix blocks are never written)
-        and reserve fresh blocks for the rest. The caller checked enough blocks are free."""
+    def plan(self, seq: Sequence, spare: int = 0) -> CompressionJob:
+        """Choose the N_max blocks the kept entries (and the next decode step) go to, and what the
+        request releases once compaction lands. The caller has made `fresh_blocks_needed` blocks free,
+        and may allow `spare` more.
+
+        Targets are, in order of preference: the request's private blocks that hold nothing the prefix
+        cache can serve; fresh blocks (up to the spare allowance); and only then its private blocks
+        that the cache maps, which forget their hash. So a compressed request's prompt blocks go back
+        to the free list still hashed, and later requests with the same prefix are served from them
+        for as long as the pool has room."""
+        n_max = self.geometry.max_blocks
         private = self.blocks.private_blocks(seq)
-        chosen = private[:self.budget_blocks + 1]
+        unhashed = [b for b in private if not self.blocks.is_cached(b)]
+        hashed = [b for b in private if self.blocks.is_cached(b)]
+        chosen = unhashed[:n_max]
+        wanted = min(n_max - len(chosen), self.fresh_blocks_needed(seq) + spare)
         fresh = []
-        while len(chosen) + len(fresh) < self.budget_blocks + 1:
+        while len(fresh) < wanted:
             block_id = self.blocks.allocate_one()
             if block_id is None:
+                if len(fresh) + len(chosen) + len(hashed) >= n_max:
+                    break  # fewer spare blocks than hoped: overwrite cached ones instead
                 for b in fresh:
                     self.blocks.release_block(b)
                 raise RuntimeError("compression planned without enough free blocks")
             fresh.append(block_id)
-        for block_id in chosen:
+        # Overwrite the request's newest cached blocks first: its prompt head is likelier to recur.
+        overwritten = hashed[len(hashed) - (n_max - len(chosen) - len(fresh)):] if len(chosen) + len(fresh) < n_max else []
+        for block_id in overwritten:
             self.blocks.forget_hash(block_id)  # its content is about to change
+        chosen += overwritten
         new_table = chosen + fresh
         seq.pending_blocks = fresh
         seq.status = Status.COMPRESSING
@@ -87,7 +105,7 @@ class Compressor:
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()  # after every forward that wrote this request's KV was queued
-        return CompressionJob(ready=ready, 
+        return CompressionJob(ready=ready,
             seq=seq, kv_len=seq.kv_len, source_table=list(seq.block_table),
             targets=new_table[:self.budget_blocks], decode_block=new_table[self.budget_blocks],
             release=[b for b in seq.block_table if b not in chosen],

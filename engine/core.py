@@ -19,7 +19,7 @@ from zipage.engine.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.geometry import CompressionGeometry
-from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
+from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
                            MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
 from zipage.engine.model_runner import ModelRunner, resolve_device
@@ -345,9 +345,12 @@ class EngineCore:
     def block_roles(self, seq: Sequence) -> tuple[str, ...]:
         roles = []
         targets = self.config.max_cache_blocks_per_seq if seq.is_compressed else 0
+        reused = 0 if seq.is_compressed else seq.num_cached_prefix_tokens // self.block_size
         for i, block_id in enumerate(seq.block_table):
             if self.blocks.blocks[block_id].ref_count > 1:
                 roles.append(ROLE_SHARED)
+            elif i < reused:
+                roles.append(ROLE_REUSED)
             elif i < targets:
                 roles.append(ROLE_TARGET)
             elif seq.is_compressed:

@@ -15,6 +15,7 @@ EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "
 # Block roles as drawn by the console.
 ROLE_SHARED = "shared"  # a prefix block other requests reference too (never written)
 ROLE_PRIVATE = "private"  # an ordinary block of this request
+ROLE_REUSED = "reused"  # a prompt block served by the prefix cache at admission (held by no one else now)
 ROLE_TARGET = "target"  # a block holding kept tokens after compression
 ROLE_DECODE = "decode"  # the fresh block a compressed request decodes into
 

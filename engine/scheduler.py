@@ -144,8 +144,12 @@ class Scheduler:
                 if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
                         seq, preempted, queue, seqs):
                     # Planning takes its fresh blocks now, so no later append this step can take them;
-                    # from now on the request is under compression and never preempted.
-                    compress.append(self.compressor.plan(seq))
+                    # from now on the request is under compression and never preempted. Beyond the
+                    # blocks it needs, it may take free ones that no request in this step will need,
+                    # to leave its cached prompt blocks to the prefix cache.
+                    appends = sum(1 for s in queue if self.blocks.needs_new_block(s))
+                    spare = self.blocks.num_free - self.compressor.fresh_blocks_needed(seq) - appends
+                    compress.append(self.compressor.plan(seq, spare=max(0, spare)))
                 continue
             if self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
                 continue  # its next query belongs to the window: it waits for a slot

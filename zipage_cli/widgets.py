@@ -20,10 +20,10 @@ from textual.widgets import Label, Sparkline, Static
 
 from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, RequestInfo
 
-ROLES = ("shared", "private", "target", "decode")
+ROLES = ("shared", "reused", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
-GLYPHS = {"shared": "◆", "private": "■", "target": "▣", "decode": "▶", "cached": "▪", "free": "·"}
-ROLE_LABELS = {"shared": "shared prefix", "private": "private", "target": "compressed target",
+GLYPHS = {"shared": "◆", "reused": "◇", "private": "■", "target": "▣", "decode": "▶", "cached": "▪", "free": "·"}
+ROLE_LABELS = {"shared": "shared prefix", "reused": "prefix from the cache", "private": "private", "target": "compressed target",
                "decode": "decode", "cached": "free, cached prefix", "free": "free"}
 OWNER_COLOURS = 6  # the pool map cycles owner--0 .. owner--5 from the theme
 
