@@ -113,13 +113,10 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids.remove(block_id)
             block.ref_count += 1
-        seq.block_table = list(hits)
+        table = list(hits)
         for _ in range(self.blocks_for(seq.num_tokens) - len(hits)):
-            seq.block_table.append(self._take_free())
-        cached = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.kv_len = cached
-        seq.num_cached_prefix_tokens = cached
-        seq.num_hashed_blocks = len(hits)
+            table.append(self._take_free())
+        seq.take_blocks(table, cached_tokens=len(hits) * self.block_size, hashed_blocks=len(hits))
 
     def needs_new_block(self, seq: Sequence) -> bool:
         """Whether the next KV entry of a decoding sequence falls past its last block."""
@@ -147,11 +144,7 @@ class BlockManager:
         pool runs short, a prompt's deepest blocks are reused before its shared head."""
         for block_id in reversed(seq.block_table + seq.pending_blocks):
             self.release_block(block_id)
-        seq.block_table = []
-        seq.pending_blocks = []
-        seq.kv_len = 0
-        seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
+        seq.drop_blocks()
 
     def private_blocks(self, seq: Sequence) -> list[int]:
         """The sequence's blocks no one else references: compression may overwrite these."""

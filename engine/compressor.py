@@ -16,7 +16,7 @@ from zipage import kernels
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.config import EngineConfig
 from zipage.engine.geometry import CompressionGeometry
-from zipage.engine.sequence import Sequence, Status
+from zipage.engine.sequence import Sequence
 
 NEAR_DUPLICATE = 0.5  # cosine similarity above which two keys count as near-duplicates
 
@@ -99,8 +99,7 @@ class Compressor:
             self.blocks.forget_hash(block_id)  # its content is about to change
         chosen += overwritten
         new_table = chosen + fresh
-        seq.pending_blocks = fresh
-        seq.status = Status.COMPRESSING
+        seq.start_compression(fresh)
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
@@ -199,14 +198,9 @@ class Compressor:
     # -- landing (engine thread) ---------------------------------------------------------
     def apply(self, job: CompressionJob) -> None:
         seq = job.seq
-        seq.block_table = job.targets + [job.decode_block]
-        seq.pending_blocks = []
         for block_id in job.release:
             self.blocks.release_block(block_id)
-        seq.kv_len = self.keep
-        seq.num_scored = self.keep
-        seq.times_compressed += 1
-        seq.status = Status.RUNNING
+        seq.land_compression(job.targets + [job.decode_block], kept=self.keep)
 
 
 class CompressionGraph:

@@ -224,8 +224,7 @@ class EngineCore:
         computed = sum(batch.num_new_tokens)
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
-            seq.num_computed_tokens += n
-            seq.kv_len += n
+            seq.computed(n)
             self.blocks.commit_full_blocks(seq)
             if batch.is_prefill and not seq.in_prefill:
                 self._event("prefilled", seq, tokens=seq.num_computed_tokens,
@@ -306,9 +305,7 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        seq.error = error
+        seq.finish(reason, error)
         self.totals["finished"] += 1
         kind = {"abort": "aborted", "error": "error"}.get(reason, "finished")
         self._event(kind, seq, reason=reason, output_tokens=seq.num_output_tokens,

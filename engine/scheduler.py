@@ -28,6 +28,30 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_new_tokens[i] >= seq.num_tokens
 
 
+@dataclass
+class DecodePlan:
+    """One decode scheduling pass: the requests still to consider, and what the pass decided."""
+
+    queue: list[Sequence]
+    seqs: list[Sequence] = field(default_factory=list)  # decode one token this step
+    preempted: list[Sequence] = field(default_factory=list)
+    compress: list = field(default_factory=list)  # CompressionJobs planned
+    exhausted: list[Sequence] = field(default_factory=list)  # outgrew the whole pool
+
+    def drop(self, victim: Sequence) -> None:
+        """`victim` was preempted: it neither decodes nor waits its turn in this pass."""
+        self.preempted.append(victim)
+        for group in (self.queue, self.seqs):
+            if victim in group:
+                group.remove(victim)
+
+    def batch(self) -> ScheduledBatch | None:
+        if not (self.seqs or self.preempted or self.compress or self.exhausted):
+            return None
+        return ScheduledBatch(False, self.seqs, [1] * len(self.seqs), preempted=self.preempted,
+                              compress=self.compress, exhausted=self.exhausted)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  num_query_slots: int = 0, compressor=None):
@@ -92,8 +116,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         self.waiting.popleft()
         self.blocks.allocate(seq)
-        seq.prefill_end = self.geometry.prefill_end(seq) if self.geometry is not None else seq.num_tokens
-        seq.status = Status.RUNNING
+        seq.start(prefill_end=self.geometry.prefill_end(seq) if self.geometry is not None else seq.num_tokens)
         self.running.append(seq)
 
     # -- one step -------------------------------------------------------------
@@ -136,61 +159,50 @@ class Scheduler:
         return ScheduledBatch(True, seqs, counts, admitted=admitted)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs, preempted, compress, exhausted = [], [], [], []
-        queue = [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
-        while queue:
-            seq = queue.pop(0)
+        plan = DecodePlan([s for s in self.running if s.status is Status.RUNNING and not s.in_prefill])
+        while plan.queue:
+            seq = plan.queue.pop(0)
             if self.geometry is not None and self.geometry.needs_compression(seq):
-                if len(compress) < self.config.max_compressions_per_step and self._reserve_for_compression(
-                        seq, preempted, queue, seqs):
-                    # Planning takes its fresh blocks now, so no later append this step can take them;
-                    # from now on the request is under compression and never preempted. Beyond the
-                    # blocks it needs, it may take free ones that no request in this step will need,
-                    # to leave its cached prompt blocks to the prefix cache.
-                    appends = sum(1 for s in queue if self.blocks.needs_new_block(s))
-                    spare = self.blocks.num_free - self.compressor.fresh_blocks_needed(seq) - appends
-                    compress.append(self.compressor.plan(seq, spare=max(0, spare)))
-                continue
-            if self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
+                self._plan_compression(seq, plan)
+            elif self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
                 continue  # its next query belongs to the window: it waits for a slot
-            while not self.blocks.append_block(seq):
-                victim = self._pick_victim(exclude=seq)
-                if victim is None and self.blocks.blocks_for(seq.kv_len + 1) > self.blocks.num_blocks:
-                    exhausted.append(seq)  # not even the whole pool would hold it: recompute can't help
-                    break
-                if victim is None:
-                    victim = seq if self._preemptible(seq) else None
-                if victim is None:
-                    break  # nothing may be preempted: this one waits for a block to free up
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim in queue:
-                    queue.remove(victim)
-                if victim in seqs:
-                    seqs.remove(victim)
-                if victim is seq:
-                    break
             else:
-                seqs.append(seq)
-        if not seqs and not preempted and not compress and not exhausted:
-            return None
-        return ScheduledBatch(False, seqs, [1] * len(seqs), preempted=preempted, compress=compress,
-                              exhausted=exhausted)
+                self._plan_decode(seq, plan)
+        return plan.batch()
 
-    def _reserve_for_compression(self, seq, preempted, queue, scheduled) -> bool:
-        """Make sure the fresh blocks a compression needs (to replace shared prefix blocks) are free,
-        preempting uncompressed requests if necessary."""
-        needed = self.compressor.fresh_blocks_needed(seq)
-        while self.blocks.num_free < needed:
+    def _plan_compression(self, seq: Sequence, plan: "DecodePlan") -> None:
+        """Compress `seq` this step if the cap allows and the fresh blocks it needs (to replace shared
+        prefix blocks) can be freed, preempting uncompressed requests if necessary."""
+        if len(plan.compress) >= self.config.max_compressions_per_step:
+            return
+        while self.blocks.num_free < self.compressor.fresh_blocks_needed(seq):
             victim = self._pick_victim(exclude=seq)
             if victim is None:
-                return False
-            self._preempt(victim)
-            preempted.append(victim)
-            for lst in (queue, scheduled):
-                if victim in lst:
-                    lst.remove(victim)
-        return True
+                return
+            self._preempt(victim, plan)
+        # Planning takes its fresh blocks now, so no later append this step can take them; from now on
+        # the request is under compression and never preempted. Beyond the blocks it needs, it may take
+        # free ones no request in this step will need, leaving its cached prompt blocks to the cache.
+        appends = sum(1 for s in plan.queue if self.blocks.needs_new_block(s))
+        spare = self.blocks.num_free - self.compressor.fresh_blocks_needed(seq) - appends
+        plan.compress.append(self.compressor.plan(seq, spare=max(0, spare)))
+
+    def _plan_decode(self, seq: Sequence, plan: "DecodePlan") -> None:
+        """Give `seq` room for its next token, preempting from the back of the queue when the pool is
+        empty; it decodes this step unless it had to wait or was preempted itself."""
+        while not self.blocks.append_block(seq):
+            victim = self._pick_victim(exclude=seq)
+            if victim is None and self.blocks.blocks_for(seq.kv_len + 1) > self.blocks.num_blocks:
+                plan.exhausted.append(seq)  # not even the whole pool would hold it: recompute can't help
+                return
+            if victim is None:
+                victim = seq if self._preemptible(seq) else None
+            if victim is None:
+                return  # nothing may be preempted: this one waits for a block to free up
+            self._preempt(victim, plan)
+            if victim is seq:
+                return
+        plan.seqs.append(seq)
 
     def _preemptible(self, seq: Sequence) -> bool:
         # A compressed request holds a bounded, already-paid footprint: it waits, never recomputes.
@@ -202,10 +214,10 @@ class Scheduler:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, plan: "DecodePlan") -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
         self._release_slot(seq)
-        seq.status = Status.WAITING
-        seq.num_preemptions += 1
+        seq.preempt()
         self.waiting.appendleft(seq)
+        plan.drop(seq)

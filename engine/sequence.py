@@ -97,6 +97,56 @@ class Sequence:
         prompt token never sends the request down the decode path early."""
         return self.num_computed_tokens < self.prefill_end
 
+    # -- life cycle: every change of status and KV bookkeeping goes through one of these -------
+    def take_blocks(self, table: list[int], cached_tokens: int, hashed_blocks: int) -> None:
+        """Blocks for all its tokens, the first `cached_tokens` already computed (prefix cache)."""
+        self.block_table = table
+        self.num_computed_tokens = self.kv_len = cached_tokens
+        self.num_cached_prefix_tokens = cached_tokens
+        self.num_hashed_blocks = hashed_blocks
+
+    def drop_blocks(self) -> None:
+        """Every block released (finish, abort or preemption): nothing of its KV is left."""
+        self.block_table = []
+        self.pending_blocks = []
+        self.kv_len = 0
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+
+    def start(self, prefill_end: int) -> None:
+        """Admitted: it runs, and its prefill computes tokens up to `prefill_end`."""
+        self.prefill_end = prefill_end
+        self.status = Status.RUNNING
+
+    def computed(self, n: int) -> None:
+        """A forward wrote the KV of its next n tokens."""
+        self.num_computed_tokens += n
+        self.kv_len += n
+
+    def preempt(self) -> None:
+        """Back to the waiting queue, to be recomputed (its blocks were dropped)."""
+        self.status = Status.WAITING
+        self.num_preemptions += 1
+
+    def start_compression(self, reserved: list[int]) -> None:
+        """A compression is planned: it holds `reserved` fresh blocks and skips decode until it lands."""
+        self.pending_blocks = reserved
+        self.status = Status.COMPRESSING
+
+    def land_compression(self, table: list[int], kept: int) -> None:
+        """The compaction is done: `kept` entries in `table`, each carrying a score."""
+        self.block_table = table
+        self.pending_blocks = []
+        self.kv_len = kept
+        self.num_scored = kept
+        self.times_compressed += 1
+        self.status = Status.RUNNING
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.first_token_time is None:

@@ -514,11 +514,11 @@ def test_compressed_requests_are_never_preempted(model_path, async_compress):
     inner = scheduler._preempt
     preempted = []  # (request id, times_compressed, status, any compressed request live)
 
-    def spy(seq):
+    def spy(seq, plan):
         assert not seq.is_compressed and seq.status is Status.RUNNING, (seq, seq.status)
         live_compressed = any(s.is_compressed for s in scheduler.running if s is not seq)
         preempted.append((seq.id, seq.times_compressed, seq.status, live_compressed))
-        return inner(seq)
+        return inner(seq, plan)
 
     scheduler._preempt = spy
     try:
@@ -562,9 +562,9 @@ def test_victim_search_skips_compressed_and_compressing_requests(model_path, hol
     inner = scheduler._preempt
     victims = []
 
-    def preempt(seq):
+    def preempt(seq, plan):
         victims.append((seq.id, seq.times_compressed, seq.status, [s.id for s in scheduler.running]))
-        return inner(seq)
+        return inner(seq, plan)
 
     scheduler._preempt = preempt
     try:
