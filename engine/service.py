@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Callable
 
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
@@ -21,10 +22,12 @@ _END = object()
 class RequestHandle:
     """A submitted request. Iterating yields text deltas until the request ends."""
 
-    def __init__(self, request_id: int, session: str | None, prompt_tokens: int):
+    def __init__(self, request_id: int, session: str | None, prompt_tokens: int,
+                 on_output: Callable[[RequestOutput], None] | None = None):
         self.id = request_id
         self.session = session
         self.prompt_tokens = prompt_tokens
+        self._on_output = on_output
         self._deltas: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self.output: RequestOutput | None = None
@@ -37,6 +40,8 @@ class RequestHandle:
             yield item
 
     def _push(self, out: RequestOutput) -> None:
+        if self._on_output is not None:
+            self._on_output(out)
         if out.delta:
             self._deltas.put(out.delta)
         if out.finished:
@@ -82,9 +87,14 @@ class EngineThread:
         self._thread.start()
 
     # -- client side ---------------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Queue a prompt (text, token ids, or a list of chat messages). Bad input raises ValueError here,
-        in the caller's thread, and the engine keeps serving everyone else."""
+        in the caller's thread, and the engine keeps serving everyone else.
+
+        `on_output`, if given, is called on the engine thread with every RequestOutput of this request
+        (one per generated token, then the final one): a hook for callers that are not threads, such as
+        an event loop. It must return quickly and never raise."""
         if self._stop.is_set():
             raise RuntimeError("engine is closed")
         params = params or SamplingParams()
@@ -96,7 +106,7 @@ class EngineThread:
         else:
             ids = self.engine.encode_prompt(prompt)
         reply: queue.Queue = queue.Queue()
-        self._inbox.put(("submit", (ids, params, session), reply))
+        self._inbox.put(("submit", (ids, params, session, on_output), reply))
         self._wake.set()
         ok, value = reply.get()
         if not ok:
@@ -136,6 +146,11 @@ class EngineThread:
     def resume(self) -> None:
         self._paused.clear()
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine loop is still running (False after close() or a failure)."""
+        return self._thread.is_alive()
 
     @property
     def paused(self) -> bool:
@@ -197,13 +212,13 @@ class EngineThread:
             except queue.Empty:
                 return
             if kind == "submit":
-                ids, params, session = payload
+                ids, params, session, on_output = payload
                 try:
                     seq = self.engine.add_request(ids, params, session=session, stream=True)
                 except ValueError as e:
                     reply.put((False, e))
                     continue
-                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens)
+                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens, on_output)
                 self._handles[seq.id] = handle
                 reply.put((True, handle))
             elif kind == "abort":

@@ -248,6 +248,30 @@ def top(
         engine.close()
 
 
+@app.command(epilog="Examples:\n\n  zipage serve --model smollm2-135m\n\n"
+                    "  zipage serve --model random:qwen3-0.6b --device cuda --port 8000 --api-key secret\n\n"
+                    "Then: zipage top --attach http://127.0.0.1:8000, or any OpenAI client with "
+                    "base_url http://127.0.0.1:8000/v1.")
+@engine_options
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 opens the server to the network)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
+    api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY",
+                                help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    engine_kwargs: dict = None,
+):
+    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console."""
+    from zipage.cli.server import serve as run_server
+
+    engine = _load_engine(engine_kwargs)
+    try:
+        err.print(f"serving {engine.config.model} at http://{host}:{port}/v1")
+        run_server(engine, host, port, api_key, log_level)
+    finally:
+        engine.close()
+
+
 @app.command(epilog="Examples:\n\n  zipage bench\n\n"
                     "  zipage bench --model random:qwen3-0.6b --mode zipage --mode fullkv --mode hf "
                     "--num-requests 64 --input-len 256 --output-len 2048 --json results.json\n\n"
