@@ -32,6 +32,7 @@ OPEN_PATHS = ("/health",)  # reachable without the API key
 EVENT_POLL_S = 0.1  # how often /zipage/events forwards new engine events
 KEEPALIVE_S = 2.0  # an idle event stream sends a comment this often, so either side notices a dead peer
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "x-zipage-request-id"  # the engine's id of the request, as the console panes show it
 
 
 def sse(data) -> str:
@@ -154,15 +155,16 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
         generation = await Generation(engine, metrics).start(prompt, params, session)
         reply = api.Reply(chat, generation.handle.id, model, generation.handle.prompt_tokens,
                           token_ids=body.get("return_token_ids") is True)
+        headers = {REQUEST_ID_HEADER: str(generation.handle.id)}
         if stream:
             return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+                                     headers={**SSE_HEADERS, **headers})
         out = await generation.result(request)
         if out is None:
             return Response(status_code=499)  # nobody is listening any more
         if out.finish_reason == "error":
             raise api.ApiError(500, out.error or "the request failed", kind="server_error")
-        return JSONResponse(reply.full(out))
+        return JSONResponse(reply.full(out), headers=headers)
 
     async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
         if reply.chat:
