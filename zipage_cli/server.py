@@ -9,8 +9,10 @@ carry what the console panes draw, for `zipage top|chat --attach`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import threading
 import time
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -60,26 +62,47 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+class OutputRouter:
+    """Carries outputs from the engine thread to per-request asyncio queues, waking the event loop once
+    per burst (an engine step delivers one output per running request) rather than once per output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self.scheduled = False
+        self.lock = threading.Lock()
+
+    def post(self, target: asyncio.Queue, out: RequestOutput) -> None:  # on the engine thread
+        with self.lock:
+            self.pending.append((target, out))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    def _flush(self) -> None:  # on the event loop
+        with self.lock:
+            pending, self.pending, self.scheduled = self.pending, [], False
+        for target, out in pending:
+            target.put_nowait(out)
+
+
 class Generation:
     """One request inside the engine, seen from the event loop: its outputs in order, its latencies
     recorded, and an abort if the consumer stops before the end."""
 
-    def __init__(self, engine: EngineThread, metrics: ServerMetrics):
-        self.engine = engine
+    def __init__(self, engine: EngineThread, metrics: ServerMetrics, router: OutputRouter):
+        self.engine, self.router = engine, router
         self.latency = LatencyTracker(metrics)
         self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.handle = None
         self.finished = False
 
     async def start(self, prompt, params, session: str | None) -> "Generation":
-        loop = asyncio.get_running_loop()
-
-        def on_output(out: RequestOutput) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(self.outputs.put_nowait, out)
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                pass
-
+        on_output = functools.partial(self.router.post, self.outputs)
         try:
             self.handle = await run_in_threadpool(self.engine.submit, prompt, params, session=session,
                                                   on_output=on_output)
@@ -89,13 +112,17 @@ class Generation:
             raise api.ApiError(503, f"the engine is not running: {e}", kind="server_error") from None
         return self
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Every output that has arrived, in order, a list at a time (a slow reader gets them together)."""
         try:
             while not self.finished:
-                out = await self.outputs.get()
-                self.latency.observe(out)
-                self.finished = out.finished
-                yield out
+                batch = [await self.outputs.get()]
+                while not batch[-1].finished and not self.outputs.empty():
+                    batch.append(self.outputs.get_nowait())
+                for out in batch:
+                    self.latency.observe(out)
+                self.finished = batch[-1].finished
+                yield batch
         finally:
             if not self.finished:  # the client left (or the server stops): free the request's blocks
                 self.engine.abort(self.handle)
@@ -104,9 +131,9 @@ class Generation:
         """The final output, or None if the client disconnected first (the request is then aborted)."""
 
         async def last() -> RequestOutput:
-            async for out in self:
+            async for batch in self.batches():
                 pass
-            return out
+            return batch[-1]
 
         answer = asyncio.ensure_future(last())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -131,6 +158,13 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
     model = engine.config.model
     max_model_len = engine.engine.max_model_len
     metrics = ServerMetrics()
+    routers: dict[asyncio.AbstractEventLoop, OutputRouter] = {}  # one per event loop (uvicorn runs one)
+
+    def router() -> OutputRouter:
+        loop = asyncio.get_running_loop()
+        if loop not in routers:
+            routers[loop] = OutputRouter(loop)
+        return routers[loop]
     started = int(time.time())
 
     async def read_body(request: Request) -> dict:
@@ -152,7 +186,7 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
             raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
         include_usage = api.stream_options(body)
         session = body.get("user") if isinstance(body.get("user"), str) else None
-        generation = await Generation(engine, metrics).start(prompt, params, session)
+        generation = await Generation(engine, metrics, router()).start(prompt, params, session)
         reply = api.Reply(chat, generation.handle.id, model, generation.handle.prompt_tokens,
                           token_ids=body.get("return_token_ids") is True)
         headers = {REQUEST_ID_HEADER: str(generation.handle.id)}
@@ -170,16 +204,20 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
         sent_ids = 0
-        async for out in generation:
-            if out.finish_reason == "error":
-                yield sse(api.error_body(out.error or "the request failed", "server_error"))
-                break
-            new_ids = list(out.token_ids[sent_ids:]) if out.finished else out.new_token_ids
-            sent_ids += len(new_ids)
-            if out.delta or out.finished or reply.token_ids:
-                yield sse(reply.chunk(out.delta, out.finish_reason if out.finished else None, new_ids))
-            if out.finished and include_usage:
-                yield sse(reply.usage_chunk(out.num_output_tokens))
+        async for batch in generation.batches():
+            events = []
+            for out in batch:
+                if out.finish_reason == "error":
+                    events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
+                    break
+                new_ids = list(out.token_ids[sent_ids:]) if out.finished else out.new_token_ids
+                sent_ids += len(new_ids)
+                if out.delta or out.finished or reply.token_ids:
+                    events.append(sse(reply.chunk(out.delta, out.finish_reason if out.finished else None, new_ids)))
+                if out.finished and include_usage:
+                    events.append(sse(reply.usage_chunk(out.num_output_tokens)))
+            if events:
+                yield "".join(events)  # one write for everything that arrived together
         yield sse("[DONE]")
 
     async def chat_completions(request: Request) -> Response:
