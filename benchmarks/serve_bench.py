@@ -9,9 +9,11 @@ on the same requests.
 For each mode (zipage: compression on; fullkv: the same engine with compression off):
   1. offline: a child process builds `LLM(...)`, warms up on two requests, then times
      `generate()` on all the prompts at once (greedy, EOS ignored, fixed output length);
-  2. server: `zipage serve` starts on 127.0.0.1 with the same knobs; after one warm-up request,
-     every prompt is sent at once as a streaming /v1/completions request from its own client
-     (asyncio + httpx), with the prompt as token ids.
+  2. server: `zipage serve` starts on 127.0.0.1 with the same knobs; after a warm-up on two
+     requests, every prompt is sent at once as a streaming /v1/completions request from its own
+     client (asyncio + httpx), with the prompt as token ids.
+Each phase runs --repeats times; the run with the median throughput is reported (with its
+latencies), and every run's tokens/s goes into --json.
 Output tokens/s = generated tokens / wall time from the first request sent to the last token
 received. Time to first token (TTFT) and inter-token latency (ITL) are measured by the clients:
 TTFT from sending to the first token, ITL between consecutive tokens of one stream. The prompts
@@ -57,28 +59,36 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # -- offline ---------------------------------------------------------------------------------------
-def offline_run(model: str, knobs: dict, prompts: list[list[int]], output_len: int) -> dict:
-    """In a child process: the offline engine's throughput on the prompts, after a warm-up."""
+def offline_run(model: str, knobs: dict, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    """In a child process: the offline engine's throughput on the prompts, after a warm-up; the median run."""
     from zipage.engine import LLM, SamplingParams
 
     llm = LLM(model, **knobs)
+    runs = []
     try:
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.token_ids) for o in outputs)
+            runs.append({"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds})
         device = llm.snapshot().device
     finally:
         llm.close()
-    tokens = sum(len(o.token_ids) for o in outputs)
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "device": device}
+    return dict(median_run(runs), device=device, runs_tokens_per_s=[r["tokens_per_s"] for r in runs])
 
 
-def offline(model: str, knobs: dict, prompts: list[list[int]], output_len: int) -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
+def offline(model: str, knobs: dict, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(offline_run, model, knobs, prompts, output_len).result()
+        return pool.submit(offline_run, model, knobs, prompts, output_len, repeats).result()
 
 
 # -- server ----------------------------------------------------------------------------------------
@@ -154,7 +164,6 @@ async def one_stream(client: httpx.AsyncClient, prompt: list[int], output_len: i
 async def load(url: str, prompts: list[list[int]], output_len: int) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60, read=None), limits=limits) as client:
-        await one_stream(client, prompts[0][:8], 8)  # warm-up
         streams = await asyncio.gather(*(one_stream(client, p, output_len) for p in prompts))
     start, end = min(s["sent"] for s in streams), max(s["end"] for s in streams)
     tokens = sum(s["tokens"] for s in streams)
@@ -165,13 +174,17 @@ async def load(url: str, prompts: list[list[int]], output_len: int) -> dict:
             "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99)}
 
 
-def served(model: str, knobs: dict, prompts: list[list[int]], output_len: int, log: Path) -> dict:
+def served(model: str, knobs: dict, prompts: list[list[int]], output_len: int, repeats: int, log: Path) -> dict:
+    """The median of `repeats` loads on one server, after a warm-up load of two short requests."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     process = start_server(model, knobs, port, log)
     try:
-        return asyncio.run(load(f"http://127.0.0.1:{port}", prompts, output_len))
+        asyncio.run(load(url, [p[:8] for p in prompts[:2]], 8))
+        runs = [asyncio.run(load(url, prompts, output_len)) for _ in range(repeats)]
     finally:
         stop_server(process)
+    return dict(median_run(runs), runs_tokens_per_s=[r["tokens_per_s"] for r in runs])
 
 
 def main() -> None:
@@ -183,6 +196,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median run is reported")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KNOB=VALUE",
                         help="an engine knob for both the offline engine and the server (repeatable)")
     parser.add_argument("--json", help="also write the results here")
@@ -198,9 +212,10 @@ def main() -> None:
         for mode in args.mode or ["zipage", "fullkv"]:
             mode_knobs = dict(knobs, compression=mode == "zipage")
             print(f"{mode}: offline engine...", file=sys.stderr, flush=True)
-            base = offline(args.model, mode_knobs, prompts, args.output_len)
+            base = offline(args.model, mode_knobs, prompts, args.output_len, args.repeats)
             print(f"{mode}: zipage serve with {args.num_requests} streaming clients...", file=sys.stderr, flush=True)
-            online = served(args.model, mode_knobs, prompts, args.output_len, Path(tmp) / f"{mode}.log")
+            online = served(args.model, mode_knobs, prompts, args.output_len, args.repeats,
+                            Path(tmp) / f"{mode}.log")
             results.append({"mode": mode, "offline": base, "server": online,
                             "server_vs_offline": online["tokens_per_s"] / base["tokens_per_s"]})
 

@@ -126,8 +126,8 @@ def snapshot_to_dict(snapshot: EngineSnapshot) -> dict:
 
 
 def snapshot_from_dict(data: Mapping[str, Any]) -> EngineSnapshot:
-    requests = tuple(RequestInfo(**{**r, "block_table": tuple(r["block_table"]), "block_roles": tuple(r["block_roles"])})
-                     for r in data["requests"])
+    requests = tuple(RequestInfo(**{**r, "block_table": tuple(r["block_table"]),
+                                    "block_roles": tuple(r["block_roles"])}) for r in data["requests"])
     pool = PoolInfo(**{**data["pool"], "cached_blocks": tuple(data["pool"].get("cached_blocks", ()))})
     return EngineSnapshot(
         time=data["time"], step=data["step"], model=data["model"], device=data["device"],

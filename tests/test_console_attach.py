@@ -52,9 +52,9 @@ class LongStream:
 
     def run(self):
         with self.server.client() as http:
-            with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "watch me", "user": self.session,
-                                                              "max_tokens": 8000, "ignore_eos": True,
-                                                              "stream": True}) as response:
+            body = {"model": MODEL, "prompt": "watch me", "user": self.session, "max_tokens": 8000,
+                    "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
                 self.id = int(response.headers["x-zipage-request-id"])
                 self.started.set()
                 for _ in response.iter_lines():

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -158,6 +159,7 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
     model = engine.config.model
     max_model_len = engine.engine.max_model_len
     metrics = ServerMetrics()
+    started = int(time.time())
     routers: dict[asyncio.AbstractEventLoop, OutputRouter] = {}  # one per event loop (uvicorn runs one)
 
     def router() -> OutputRouter:
@@ -165,7 +167,6 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
         if loop not in routers:
             routers[loop] = OutputRouter(loop)
         return routers[loop]
-    started = int(time.time())
 
     async def read_body(request: Request) -> dict:
         try:
@@ -191,8 +192,10 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
                           token_ids=body.get("return_token_ids") is True)
         headers = {REQUEST_ID_HEADER: str(generation.handle.id)}
         if stream:
+            # The abort after the response is a no-op for a finished request (it catches a client gone early).
             return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, **headers})
+                                     headers={**SSE_HEADERS, **headers},
+                                     background=BackgroundTask(engine.abort, generation.handle))
         out = await generation.result(request)
         if out is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -227,8 +230,8 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
         return await complete(request, chat=False)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model, "object": "model", "created": started, "owned_by": "zipage", "max_model_len": max_model_len}]})
+        card = {"id": model, "object": "model", "created": started, "owned_by": "zipage", "max_model_len": max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
         if not engine.alive:
