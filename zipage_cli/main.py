@@ -167,7 +167,8 @@ def _attach(url: str, api_key: str | None, engine_kwargs: dict):
 
     if engine_kwargs:
         options = ", ".join("--" + k.replace("_", "-") for k in engine_kwargs)
-        err.print(f"[red]error:[/] {options} configure a local engine; with --attach the server's engine is used")
+        err.print(f"[red]error:[/] engine options ({options}) configure a local engine; with --attach the server's "
+                  "engine is used")
         raise typer.Exit(2)
     try:
         with err.status(f"connecting to {url}..."):
