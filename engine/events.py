@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")
@@ -107,3 +107,31 @@ class ThroughputMeter:
             return Throughput(0.0, 0.0)
         span = max(now - recent[0][0], 1e-3)
         return Throughput(sum(s[1] for s in recent) / span, sum(s[2] for s in recent) / span)
+
+
+# -- plain data (JSON) views, for observers in another process ----------------------------
+def event_to_dict(event: Event) -> dict:
+    return {"kind": event.kind, "request": event.request, "time": event.time, "details": dict(event.details)}
+
+
+def event_from_dict(data: Mapping[str, Any]) -> Event:
+    return Event(data["kind"], data.get("request"), data["time"], dict(data.get("details") or {}))
+
+
+def snapshot_to_dict(snapshot: EngineSnapshot) -> dict:
+    """Plain lists, dicts and numbers: what `json.dumps` takes and `snapshot_from_dict` turns back."""
+    data = asdict(snapshot)
+    data["events"] = [event_to_dict(e) for e in snapshot.events]
+    data["totals"] = dict(snapshot.totals)
+    return data
+
+
+def snapshot_from_dict(data: Mapping[str, Any]) -> EngineSnapshot:
+    requests = tuple(RequestInfo(**{**r, "block_table": tuple(r["block_table"]),
+                                    "block_roles": tuple(r["block_roles"])}) for r in data["requests"])
+    pool = PoolInfo(**{**data["pool"], "cached_blocks": tuple(data["pool"].get("cached_blocks", ()))})
+    return EngineSnapshot(
+        time=data["time"], step=data["step"], model=data["model"], device=data["device"],
+        compression=data["compression"], requests=requests, pool=pool, memory=MemoryInfo(**data["memory"]),
+        throughput=Throughput(**data["throughput"]), events=tuple(event_from_dict(e) for e in data["events"]),
+        waiting=data["waiting"], running=data["running"], totals=dict(data.get("totals") or {}))

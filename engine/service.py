@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 import weakref
+from typing import Callable
 
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
@@ -39,13 +40,15 @@ def _close_live_engines() -> None:
 class RequestHandle:
     """A submitted request. Iterating yields text deltas until the request ends."""
 
-    def __init__(self, request_id: int, session: str | None, prompt_tokens: int):
+    def __init__(self, request_id: int, session: str | None, prompt_tokens: int,
+                 on_output: Callable[[RequestOutput], None] | None = None):
         self.id = request_id
         self.session = session
         self.prompt_tokens = prompt_tokens
         self._deltas: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self.output: RequestOutput | None = None
+        self._on_output = on_output
 
     def __iter__(self):
         while True:
@@ -58,6 +61,8 @@ class RequestHandle:
     def _push(self, out: RequestOutput) -> None:
         if self._done.is_set():
             return  # the first end is the one reported (an error is never overwritten by an abort)
+        if self._on_output is not None:
+            self._on_output(out)
         if out.delta:
             self._deltas.put(out.delta)
         if out.finished:
@@ -135,9 +140,14 @@ class EngineThread:
         _close_at_exit(self)
 
     # -- client side ---------------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Queue a prompt (text, token ids, or a list of chat messages). Bad input raises ValueError here,
-        in the caller's thread, and the engine keeps serving everyone else."""
+        in the caller's thread, and the engine keeps serving everyone else.
+
+        `on_output`, if given, is called on the engine thread with every RequestOutput of this request
+        (one per generated token, then the final one): a hook for callers that are not threads, such as
+        an event loop. It must return quickly and never raise."""
         self._check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -147,7 +157,7 @@ class EngineThread:
             ids = self.engine.apply_chat_template(prompt)
         else:
             ids = self.engine.encode_prompt(prompt)
-        ok, value = self._call("submit", (ids, params, session))
+        ok, value = self._call("submit", (ids, params, session, on_output))
         if not ok:
             raise value
         return value
@@ -185,6 +195,11 @@ class EngineThread:
     def resume(self) -> None:
         self._paused.clear()
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (false once closed or failed)."""
+        return self._thread.is_alive()
 
     @property
     def paused(self) -> bool:
@@ -288,13 +303,13 @@ class EngineThread:
             except queue.Empty:
                 return
             if kind == "submit":
-                ids, params, session = payload
+                ids, params, session, on_output = payload
                 try:
                     seq = self.engine.add_request(ids, params, session=session, stream=True)
                 except ValueError as e:
                     reply.put((False, e))
                     continue
-                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens)
+                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens, on_output)
                 self._handles[seq.id] = handle
                 reply.put((True, handle))
             elif kind == "abort":

@@ -161,6 +161,27 @@ def _load_engine(engine_kwargs: dict):
         raise typer.Exit(2)
 
 
+def _attach(url: str, api_key: str | None, engine_kwargs: dict):
+    """Connect to a running `zipage serve`; its engine is already configured, so engine options are refused."""
+    from zipage.cli.remote import RemoteEngine
+
+    if engine_kwargs:
+        options = ", ".join("--" + k.replace("_", "-") for k in engine_kwargs)
+        err.print(f"[red]error:[/] engine options ({options}) configure a local engine; with --attach the server's "
+                  "engine is used")
+        raise typer.Exit(2)
+    try:
+        with err.status(f"connecting to {url}..."):
+            return RemoteEngine(url, api_key)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+
+
+ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http://127.0.0.1:8000)."
+API_KEY_HELP = "The server's API key, with --attach."
+
+
 def _check_theme(theme: str) -> None:
     from zipage.cli.themes import check_theme
 
@@ -175,6 +196,7 @@ def _check_theme(theme: str) -> None:
                     "  zipage chat --sessions 3 --theme light --temperature 0.3\n\n"
                     "  zipage chat --plain --max-tokens 128\n\n"
                     "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
+                    "  zipage chat --attach http://127.0.0.1:8000   (chat with a running zipage serve)\n\n"
                     "Keys: Ctrl+N new session, Ctrl+W close, Alt+←/→ switch, Ctrl+B send to all sessions, "
                     "Esc stop the answer, Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
@@ -186,6 +208,8 @@ def chat(
     max_tokens: int = typer.Option(512, help="Most tokens per answer in new sessions."),
     system: str = typer.Option(None, help="A system message for new sessions."),
     theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
+    attach: str = typer.Option(None, help=ATTACH_HELP),
+    api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY", help=API_KEY_HELP),
     engine_kwargs: dict = None,
 ):
     """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside."""
@@ -199,7 +223,7 @@ def chat(
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
     full_screen = not plain and sys.stdin.isatty() and sys.stdout.isatty()
-    engine = _load_engine(engine_kwargs)
+    engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(engine_kwargs)
     try:
         if full_screen:
             from zipage.cli.chat import ChatApp
@@ -215,6 +239,7 @@ def chat(
                     "  zipage top --concurrency 16 --input-len 256 --output-len 1024 --rate 2\n\n"
                     "  zipage top --teach --num-kv-blocks 64 --block-size 16 --window 8\n\n"
                     "  zipage top --prompts questions.jsonl   (one {\"prompt\": \"...\"} per line)\n\n"
+                    "  zipage top --attach http://127.0.0.1:8000   (watch a running zipage serve)\n\n"
                     "Keys: t teaching mode (pause), space one step, ↑/↓ select a request, Ctrl+T theme, "
                     "F1 help, q quit.")
 @engine_options
@@ -227,6 +252,8 @@ def top(
                                            "default: random-token prompts."),
     teach: bool = typer.Option(False, help="Start in teaching mode: paused, one engine step per key press."),
     theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
+    attach: str = typer.Option(None, help=ATTACH_HELP + " Its clients are the load: none is generated."),
+    api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY", help=API_KEY_HELP),
     engine_kwargs: dict = None,
 ):
     """Watch the engine under load, block by block; teaching mode explains it one step at a time."""
@@ -234,6 +261,16 @@ def top(
     from zipage.cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
 
     _check_theme(theme)
+    if attach:
+        if teach or prompts:
+            err.print("[red]error:[/] --teach and --prompts need a local engine; leave them out with --attach")
+            raise typer.Exit(2)
+        engine = _attach(attach, api_key, engine_kwargs)
+        try:
+            TopApp(engine, None, theme).run()
+        finally:
+            engine.close()
+        return
     try:
         texts = read_prompts(prompts) if prompts else None
     except ValueError as e:
@@ -244,6 +281,30 @@ def top(
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=texts is None)
         source = prompt_source(engine, texts, input_len, engine.config.seed)
         TopApp(engine, LoadGenerator(engine, source, params, concurrency, rate), theme, teach).run()
+    finally:
+        engine.close()
+
+
+@app.command(epilog="Examples:\n\n  zipage serve --model smollm2-135m\n\n"
+                    "  zipage serve --model random:qwen3-0.6b --device cuda --port 8000 --api-key secret\n\n"
+                    "Then: zipage top --attach http://127.0.0.1:8000, or any OpenAI client with "
+                    "base_url http://127.0.0.1:8000/v1.")
+@engine_options
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 opens the server to the network)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
+    api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY",
+                                help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    engine_kwargs: dict = None,
+):
+    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console."""
+    from zipage.cli.server import serve as run_server
+
+    engine = _load_engine(engine_kwargs)
+    try:
+        err.print(f"serving {engine.config.model} at http://{host}:{port}/v1")
+        run_server(engine, host, port, api_key, log_level)
     finally:
         engine.close()
 

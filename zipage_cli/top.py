@@ -357,7 +357,11 @@ class TopApp(ThemedApp):
             self.teach_events = None
             self.explain_pane.remove_class("teaching")
         else:
-            self.engine.pause()
+            try:
+                self.engine.pause()
+            except RuntimeError as e:  # an attached server's engine cannot be held from here
+                self.notify(str(e), severity="warning")
+                return
             self.teach_events = self.engine.subscribe()
             self.explain.update(TEACH_INTRO)
             self.explain_pane.add_class("teaching")

@@ -1,0 +1,150 @@
+"""`zipage top --attach` and `zipage chat --attach`: the console drawn from a live server process,
+driven with Textual's pilot."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from zipage.cli.chat import ChatApp
+from zipage.cli.main import app as cli
+from zipage.cli.remote import RemoteEngine
+from zipage.cli.top import TopApp
+from zipage.engine.config import SamplingParams
+from serve_helpers import API_KEY, DEADLINE_S, MODEL, free_port, start_server, stop_server, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("attach") / "server.log")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+def remote(server):
+    engine = RemoteEngine(server.url, API_KEY)
+    yield engine
+    engine.close()
+
+
+async def until(pilot, condition, what: str):
+    end = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await pilot.pause(0.1)
+
+
+class LongStream:
+    """A streaming request from another client, held open until `stop()` closes it."""
+
+    def __init__(self, server, session: str):
+        self.server, self.session = server, session
+        self.id: int | None = None
+        self.started, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        with self.server.client() as http:
+            body = {"model": MODEL, "prompt": "watch me", "user": self.session, "max_tokens": 8000,
+                    "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                self.id = int(response.headers["x-zipage-request-id"])
+                self.started.set()
+                for _ in response.iter_lines():
+                    if self.done.is_set():
+                        return  # closing the stream aborts the request
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(DEADLINE_S)
+
+
+def test_top_attached_draws_a_running_servers_requests(server, remote):
+    async def run():
+        app = TopApp(remote, None)
+        async with app.run_test(size=(150, 45)) as pilot:
+            stream = LongStream(server, "watched")
+            assert stream.started.wait(DEADLINE_S)
+            try:
+                key = str(stream.id)
+                await until(pilot, lambda: key in {k.value for k in app.table.rows}, "the request's row")
+                row = app.table.get_row(key)
+                assert row[1] == "watched" and row[2] in ("running", "compressing")
+                await until(pilot, lambda: any(e.kind == "admitted" and e.request == stream.id
+                                               for e in app.event_log.events), "its admission in the event log")
+                await until(pilot, lambda: any(e.kind == "compressed" and e.request == stream.id
+                                               for e in app.event_log.events), "a compression in the event log")
+                assert "running" in app.sub_title and MODEL in app.sub_title
+                drawn = app.pool.snapshot  # what the block pool map drew: the server's pool
+                assert drawn.pool.total == 64 and drawn.pool.used >= 1
+
+                await pilot.press("t")  # teaching mode cannot hold a server's engine: refused, still live
+                await pilot.pause()
+                assert not remote.paused and not app.explain_pane.has_class("teaching")
+                assert any("not available with --attach" in n.message for n in app._notifications)
+            finally:
+                stream.stop()
+            await until(pilot, lambda: app.table.row_count == 0, "the aborted request to leave the table")
+            await until(pilot, lambda: any(e.kind == "aborted" and e.request == stream.id
+                                           for e in app.event_log.events), "its abort in the event log")
+
+    asyncio.run(run())
+    wait_until_idle(server)
+
+
+def test_chat_attached_answers_through_the_server(server, remote):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        expected = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                                  max_tokens=12, temperature=0).choices[0].message.content
+
+    async def run():
+        app = ChatApp(remote, temperature=0.0, max_tokens=12)
+        async with app.run_test(size=(150, 45)) as pilot:
+            app.prompt.value = "Hello there"
+            await pilot.press("enter")
+            await until(pilot, lambda: app.query(".msg-meta"), "the answer to finish")
+            session = app.current
+            assert session.conv.history == [{"role": "user", "content": "Hello there"},
+                                            {"role": "assistant", "content": expected}]
+            meta = str(app.query_one(".msg-meta").render())
+            assert meta.startswith("12 tokens") and "reached max tokens" in meta
+
+    asyncio.run(run())
+    wait_until_idle(server)
+
+
+def test_remote_engine_submit_abort_and_refusals(server, remote):
+    handle = remote.submit("a story", SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True),
+                           session="remote")
+    pieces = iter(handle)
+    next(pieces)
+    assert any(r.id == handle.id and r.session == "remote" for r in remote.snapshot(fresh=True).requests)
+    remote.abort(handle)
+    out = handle.result(DEADLINE_S)
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 8000
+    wait_until_idle(server)
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        remote.submit([7] * 9000, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="teaching mode"):
+        remote.pause()
+    done = remote.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)).result(DEADLINE_S)
+    assert done.finish_reason == "length" and len(done.token_ids) == 4
+
+
+def test_attach_errors_are_clear(server):
+    with pytest.raises(ValueError, match="API key"):
+        RemoteEngine(server.url)
+    with pytest.raises(ValueError, match="cannot reach"):
+        RemoteEngine(f"http://127.0.0.1:{free_port()}", API_KEY)  # nothing listens there
+    result = CliRunner().invoke(cli, ["top", "--attach", server.url, "--api-key", API_KEY, "--teach"])
+    assert result.exit_code == 2 and "need a local engine" in result.output
+    result = CliRunner().invoke(cli, ["top", "--attach", server.url, "--api-key", API_KEY, "--block-size", "16"])
+    assert result.exit_code == 2 and "--block-size" in result.output

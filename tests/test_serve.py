@@ -1,0 +1,324 @@
+"""`zipage serve` as a real server process, driven by the official openai client and plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from zipage.engine import LLM, SamplingParams
+from zipage.engine.events import snapshot_from_dict
+from serve_helpers import API_KEY, MODEL, start_server, stop_server, wait_for, wait_until_idle
+
+LONG = 5000  # output tokens of a request meant to be cut short (compression keeps its KV bounded)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("serve") / "server.log")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same engine offline: same model, knobs and seed, hence the same weights and greedy tokens."""
+    llm = LLM(MODEL, device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+    yield llm
+    llm.close()
+
+
+def prompt_ids(i: int, n: int = 8) -> list[int]:
+    return [(37 * i + 11 * k) % 500 + 3 for k in range(n)]
+
+
+def test_completions_match_the_offline_engine(client, offline):
+    """Greedy tokens through the server equal the offline engine's; usage counts are exact."""
+    prompt = prompt_ids(1)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    choice = reply.choices[0]
+    assert choice.model_extra["token_ids"] == expected.token_ids
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (8, 20, 28)
+    assert reply.object == "text_completion" and reply.model == MODEL
+
+
+def test_chat_streaming_equals_not_streaming(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 16 or whole.choices[0].finish_reason == "stop"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content
+    assert reasons == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_stop_string_ends_the_answer_before_it(client):
+    base = client.completions.create(model=MODEL, prompt=prompt_ids(2), max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(base[i:i + 2] for i in range(4, len(base) - 2) if base[i:i + 2].strip())
+    cut = client.completions.create(model=MODEL, prompt=prompt_ids(2), max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base[:base.index(stop)]
+
+
+def test_concurrent_streaming_clients_get_their_own_greedy_answers(server, client):
+    """Eight clients at once: each stream equals that prompt's answer when sent alone."""
+    alone = [client.completions.create(model=MODEL, prompt=prompt_ids(i), max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for i in range(8)]
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt_ids(i), max_tokens=24, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(8)))
+
+    results = asyncio.run(all_at_once())
+    assert [text for text, _ in results] == alone
+    assert [usage for _, usage in results] == [24] * 8
+
+
+def test_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    with server.client() as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Tell me a long story",
+                                                          "max_tokens": LONG, "ignore_eos": True,
+                                                          "stream": True}) as response:
+            assert response.status_code == 200
+            request_id = int(response.headers["x-zipage-request-id"])
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(6))]
+            assert sum(line.startswith("data: ") for line in received) >= 3
+            assert any(r["id"] == request_id for r in server.snapshot()["requests"])
+        # leaving the block closes the connection mid-stream
+
+    snap = wait_until_idle(server)
+    assert snap["pool"]["free"] == snap["pool"]["total"]
+    aborted = [e for e in snap["events"] if e["request"] == request_id and e["kind"] == "aborted"]
+    assert aborted and aborted[0]["details"]["output_tokens"] < LONG
+
+
+def test_client_that_disconnects_while_waiting_for_a_whole_answer_aborts_it(server):
+    """Not streaming: the request is aborted as soon as its client goes, not when it would end."""
+
+    async def leave_early() -> int:
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60) as http:
+            before = {r["id"] for r in server.snapshot()["requests"]}
+            task = asyncio.ensure_future(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Tell me another long story", "max_tokens": LONG, "ignore_eos": True}))
+            deadline = asyncio.get_running_loop().time() + 120
+            while True:  # until the request is generating
+                running = [r for r in (await http.get("/zipage/snapshot?fresh=1")).json()["requests"]
+                           if r["id"] not in before and r["output_tokens"] > 0]
+                if running:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, "the request never started"
+                await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return running[0]["id"]
+
+    request_id = asyncio.run(leave_early())
+    snap = wait_until_idle(server)
+    assert any(e["request"] == request_id and e["kind"] == "aborted" for e in snap["events"])
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
+    ("/v1/completions", b'["a list"]', None, "JSON object"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model", "not served here"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", "temperature=-1"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p=1.5"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k", "top_k=-2"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, "min_p", "min_p=2"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, "seed", "seed='x'"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "stop=5"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "only n=1"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos", "ignore_eos='yes'"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+    ("/v1/completions", {"prompt": ""}, None, "prompt is empty"),
+    ("/v1/completions", {"prompt": [7] * 9000}, None, "max_model_len is 8192"),
+    ("/v1/completions", {"prompt": [1, 2, 512]}, None, "out of range"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages", "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream",
+     "stream='yes'"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, words", BAD_REQUESTS, ids=[w for *_, w in BAD_REQUESTS])
+def test_bad_request_gets_400_in_openai_shape(server, path, body, param, words):
+    with server.client() as http:
+        if isinstance(body, bytes):
+            response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            response = http.post(path, json={"model": MODEL, **body} if "model" not in body else body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error"
+        assert words in error["message"]
+        assert error["param"] == param
+        # ...and the server keeps serving
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_sees_bad_values_as_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="top_p=0"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=0)
+    with pytest.raises(openai.BadRequestError, match="not served"):
+        client.completions.create(model="other", prompt="hi")
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_api_key_is_required_everywhere_but_health(server):
+    for path in ("/v1/models", "/metrics", "/zipage/snapshot", "/zipage/config"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = httpx.get(server.url + path, headers=headers, timeout=30)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_unknown_path_gets_openai_shaped_404(server):
+    with server.client() as http:
+        response = http.get("/v1/nothing")
+    assert response.status_code == 404 and "Not Found" in response.json()["error"]["message"]
+
+
+def scrape(server) -> dict:
+    """{(name, labels): value} from /metrics, through the Prometheus parser."""
+    with server.client() as http:
+        response = http.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def test_metrics_count_what_the_requests_did(server, client):
+    prompt = list(range(40, 64))  # 24 tokens: a full block the second request finds in the prefix cache
+    before = scrape(server)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(server)
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("zipage_time_to_first_token_seconds_count") == 2
+    assert grew("zipage_inter_token_latency_seconds_count") == 2 * 5
+    assert grew("zipage_e2e_request_latency_seconds_count") == 2
+    assert grew("zipage_requests_total", (("finish_reason", "length"),)) == 2
+    assert grew("zipage_generation_tokens_total") == 12
+    assert grew("zipage_prompt_tokens_total") == 48
+    hits = grew("zipage_prefix_cache_hit_tokens_total")  # the second prompt reuses whole blocks of the first
+    assert hits > 0 and hits % 16 == 0
+    assert after[("zipage_kv_blocks_total", ())] == 64
+    assert after[("zipage_requests_running", ())] == after[("zipage_requests_waiting", ())] == 0
+    assert after[("zipage_kv_blocks_used", ())] == 0 and after[("zipage_kv_cache_usage_ratio", ())] == 0
+    for name in ("zipage_preemptions_total", "zipage_compressions_total"):
+        assert (name, ()) in after
+    ttft_sum = after[("zipage_time_to_first_token_seconds_sum", ())]
+    assert ttft_sum > before.get(("zipage_time_to_first_token_seconds_sum", ()), 0.0)
+
+
+def test_metrics_show_a_running_request_and_its_compressions(server):
+    """While a long request streams, the gauges see it and the compressions counter follows it."""
+    before = scrape(server)
+    with server.client() as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "A long one", "max_tokens": LONG,
+                                                          "ignore_eos": True, "stream": True}) as response:
+            request_id = int(response.headers["x-zipage-request-id"])
+            lines = response.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)
+
+            def compressed_three_times():
+                mine = [r for r in server.snapshot()["requests"] if r["id"] == request_id]
+                assert mine, "the request ended before it was compressed three times"
+                return mine[0]["times_compressed"] >= 3
+
+            wait_for(compressed_three_times, what="three compressions")  # a budget of 2 blocks of 16 tokens
+            during = scrape(server)
+    assert during[("zipage_requests_running", ())] + during[("zipage_requests_waiting", ())] == 1
+    assert 1 <= during[("zipage_kv_blocks_used", ())] <= 3  # compressed: never more than budget + 1 blocks
+    assert during[("zipage_compressions_total", ())] - before[("zipage_compressions_total", ())] >= 3
+    wait_until_idle(server)
+
+
+def test_snapshot_endpoint_round_trips_into_an_engine_snapshot(server):
+    data = server.snapshot()
+    snap = snapshot_from_dict(data)
+    assert snap.model == MODEL and snap.pool.total == 64 and snap.pool.block_size == 16
+    assert snap.compression is True
+    assert any(e.kind == "finished" for e in snap.events)
+    with server.client() as http:
+        config = http.get("/zipage/config").json()
+    assert config["model"] == MODEL and config["num_kv_blocks"] == 64 and config["window"] == 8
+
+
+def test_event_stream_carries_a_requests_life(server):
+    """/zipage/events: admitted, prefilled and finished for a request made while listening."""
+    seen: list[dict] = []
+    connected = threading.Event()
+
+    def listen():
+        with server.client() as http:
+            with http.stream("GET", "/zipage/events") as response:
+                for line in response.iter_lines():
+                    connected.set()
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line[6:]))
+                        if seen[-1]["kind"] == "finished":
+                            return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert connected.wait(60)
+    with server.client() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "events", "max_tokens": 3})
+    request_id = int(response.headers["x-zipage-request-id"])
+    listener.join(120)
+    kinds = [e["kind"] for e in seen if e["request"] == request_id]
+    assert kinds[:2] == ["admitted", "prefilled"] and kinds[-1] == "finished"

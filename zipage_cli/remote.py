@@ -1,0 +1,245 @@
+"""A running `zipage serve`, seen through the part of EngineThread's interface the console uses:
+`snapshot()`, `subscribe()`/`unsubscribe()`, `submit()` -> an iterable handle, `abort()`, `close()`.
+
+One background thread runs an asyncio loop with an httpx client: it polls /zipage/snapshot, follows
+/zipage/events, and streams answers from /v1/chat/completions or /v1/completions. Aborting a request
+closes its stream; the server sees the disconnect and frees the request's blocks. Teaching mode
+(pause and single steps) needs the engine in this process, so it is refused here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+from dataclasses import fields
+
+import httpx
+
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core import RequestOutput
+from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
+from zipage.engine.service import RequestHandle
+from zipage.cli.server import REQUEST_ID_HEADER
+
+POLL_S = 0.25  # snapshot refresh, the rate EngineThread publishes at
+CONNECT_TIMEOUT_S = 10.0
+EVENTS_READ_TIMEOUT_S = 15.0  # the server sends a keepalive every few seconds
+RETRY_S = 1.0
+
+
+class RemoteHandle(RequestHandle):
+    """A request streamed from the server; iterating yields text deltas, as with a local handle."""
+
+    task: asyncio.Task | None = None
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.tokenizer = None  # tokenization happens on the server
+        self.failure: BaseException | None = None
+        self.error: str | None = None  # the last polling problem, None while the server answers
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=CONNECT_TIMEOUT_S) as client:
+            known = {f.name for f in fields(EngineConfig)}
+            self.config = EngineConfig(**{k: v for k, v in self._get(client, "/zipage/config").items() if k in known})
+            self._snapshot = snapshot_from_dict(self._get(client, "/zipage/snapshot"))
+        self._subscribers: list[queue.Queue] = []
+        self._handles: set[RemoteHandle] = set()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="zipage-remote", daemon=True)
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._call(self._open_client())
+        self._background = [self._call(self._spawn(self._poll_snapshots())),
+                            self._call(self._spawn(self._follow_events()))]
+
+    def _get(self, client: httpx.Client, path: str) -> dict:
+        """A JSON GET made while connecting; every problem becomes a ValueError that says what to fix."""
+        try:
+            response = client.get(path)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach a zipage server at {self.url}: {e}") from None
+        if response.status_code == 401:
+            raise ValueError(f"{self.url} wants an API key: pass --api-key (or set ZIPAGE_API_KEY)")
+        if response.status_code != 200:
+            raise ValueError(f"{self.url}{path} answered {response.status_code}: is it a zipage server?")
+        return response.json()
+
+    # -- the loop thread -------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the loop thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _open_client(self) -> httpx.AsyncClient:
+        # No read timeout: an answer may wait in the server's queue for a long time.
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers,
+                                 timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None))
+
+    async def _spawn(self, coro) -> asyncio.Task:
+        return asyncio.create_task(coro)
+
+    async def _poll_snapshots(self) -> None:
+        while True:
+            try:
+                response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
+                response.raise_for_status()
+                self._snapshot = snapshot_from_dict(response.json())
+                self.error = None
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                self.error = f"lost the server at {self.url}: {e}"
+            await asyncio.sleep(POLL_S)
+
+    async def _follow_events(self) -> None:
+        while True:
+            try:
+                async with self._client.stream("GET", "/zipage/events",
+                                               timeout=httpx.Timeout(CONNECT_TIMEOUT_S,
+                                                                     read=EVENTS_READ_TIMEOUT_S)) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            event = event_from_dict(json.loads(line[6:]))
+                            with self._lock:
+                                for q in self._subscribers:
+                                    q.put(event)
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                self.error = f"lost the event stream of {self.url}: {e}"
+            await asyncio.sleep(RETRY_S)
+
+    # -- EngineThread's interface ---------------------------------------------------
+    def snapshot(self, fresh: bool = False) -> EngineSnapshot:
+        if fresh:
+            async def fetch():
+                response = await self._client.get("/zipage/snapshot", params={"fresh": 1},
+                                                   timeout=CONNECT_TIMEOUT_S)
+                response.raise_for_status()
+                return snapshot_from_dict(response.json())
+
+            self._snapshot = self._call(fetch())
+        return self._snapshot
+
+    def subscribe(self) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue) -> None:
+        with self._lock:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RemoteHandle:
+        """Chat messages go to /v1/chat/completions, text or token ids to /v1/completions. The server's
+        refusal (bad values, prompt too long) raises ValueError here, as a local engine would."""
+        params = params or SamplingParams()
+        params.validate()
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        body = {"model": self.config.model, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True, "user": session, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                "max_tokens": params.max_tokens, "seed": params.seed, "stop": params.stop or None,
+                "ignore_eos": params.ignore_eos, ("messages" if chat else "prompt"): prompt}
+        handle = self._call(self._start(f"/v1/{'chat/' if chat else ''}completions", body, session))
+        with self._lock:
+            self._handles.add(handle)
+        return handle
+
+    async def _start(self, path: str, body: dict, session: str | None) -> RemoteHandle:
+        try:
+            response = await self._client.send(self._client.build_request("POST", path, json=body), stream=True)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"cannot reach the server at {self.url}: {e}") from None
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise ValueError(message)
+        handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0)
+        handle.task = asyncio.create_task(self._read(response, handle))
+        return handle
+
+    async def _read(self, response: httpx.Response, handle: RemoteHandle) -> None:
+        text, token_ids, reason, error = "", [], None, None
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    reason, error = "error", chunk["error"]["message"]
+                    break
+                if chunk.get("usage"):
+                    handle.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for choice in chunk["choices"]:
+                    delta = (choice["delta"].get("content") or "") if "delta" in choice else choice.get("text", "")
+                    token_ids += choice.get("token_ids") or []
+                    reason = choice.get("finish_reason") or reason
+                    if delta:
+                        text += delta
+                        handle._push(RequestOutput(handle.id, handle.session, [], [], text, delta, False,
+                                                   num_output_tokens=len(token_ids)))
+        except asyncio.CancelledError:
+            reason = "abort"  # abort(): closing the stream below tells the server to stop
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            reason, error = "error", f"the stream from {self.url} broke: {e}"
+        finally:
+            await response.aclose()
+            if reason is None:
+                reason, error = "error", "the server ended the stream without a finish reason"
+            handle._push(RequestOutput(handle.id, handle.session, [], token_ids, text, "", True, reason, error,
+                                       num_output_tokens=len(token_ids)))
+            with self._lock:
+                self._handles.discard(handle)
+
+    def abort(self, handle: RemoteHandle) -> None:
+        if handle.task is not None:
+            self._loop.call_soon_threadsafe(handle.task.cancel)
+
+    # Teaching mode holds the engine loop; a server's engine serves others and cannot be held from here.
+    def pause(self) -> None:
+        raise RuntimeError("teaching mode needs the engine in this process; it is not available with --attach")
+
+    def step_once(self, timeout: float = 30.0) -> EngineSnapshot:
+        self.pause()
+
+    def resume(self) -> None:
+        pass  # never paused
+
+    @property
+    def paused(self) -> bool:
+        return False
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop following the server and end this client's own requests there; the server keeps running."""
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown():
+            with self._lock:
+                tasks = [h.task for h in self._handles if h.task is not None]
+            for task in tasks + self._background:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+            await self._client.aclose()
+
+        self._call(shutdown(), timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

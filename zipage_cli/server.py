@@ -1,0 +1,314 @@
+"""`zipage serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) in front of an EngineThread.
+
+The event loop never blocks on the engine: submits run in the thread pool, and each request's outputs
+come back through the engine thread's `on_output` hook into an asyncio queue. A client that goes away
+aborts its request, which frees its blocks. `/zipage/snapshot`, `/zipage/config` and `/zipage/events`
+carry what the console panes draw, for `zipage top|chat --attach`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import threading
+import time
+from dataclasses import asdict
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from zipage.engine.core import RequestOutput
+from zipage.engine.events import event_to_dict, snapshot_to_dict
+from zipage.engine.service import EngineThread
+from zipage.cli import openai_protocol as api
+from zipage.cli.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
+
+OPEN_PATHS = ("/health",)  # reachable without the API key
+EVENT_POLL_S = 0.1  # how often /zipage/events forwards new engine events
+KEEPALIVE_S = 2.0  # an idle event stream sends a comment this often, so either side notices a dead peer
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "x-zipage-request-id"  # the engine's id of the request, as the console panes show it
+
+
+def sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def error_response(e: api.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class ApiKeyGuard:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = api.ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                                     code="invalid_api_key")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OutputRouter:
+    """Carries outputs from the engine thread to per-request asyncio queues, waking the event loop once
+    per burst (an engine step delivers one output per running request) rather than once per output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self.scheduled = False
+        self.lock = threading.Lock()
+
+    def post(self, target: asyncio.Queue, out: RequestOutput) -> None:  # on the engine thread
+        with self.lock:
+            self.pending.append((target, out))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    def _flush(self) -> None:  # on the event loop
+        with self.lock:
+            pending, self.pending, self.scheduled = self.pending, [], False
+        for target, out in pending:
+            target.put_nowait(out)
+
+
+class Generation:
+    """One request inside the engine, seen from the event loop: its outputs in order, its latencies
+    recorded, and an abort if the consumer stops before the end."""
+
+    def __init__(self, engine: EngineThread, metrics: ServerMetrics, router: OutputRouter):
+        self.engine, self.router = engine, router
+        self.latency = LatencyTracker(metrics)
+        self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.handle = None
+        self.finished = False
+
+    async def start(self, prompt, params, session: str | None) -> "Generation":
+        on_output = functools.partial(self.router.post, self.outputs)
+        try:
+            self.handle = await run_in_threadpool(self.engine.submit, prompt, params, session=session,
+                                                  on_output=on_output)
+        except ValueError as e:  # bad prompt, too long, ...
+            raise api.from_value_error(e) from None
+        except RuntimeError as e:
+            raise api.ApiError(503, f"the engine is not running: {e}", kind="server_error") from None
+        return self
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Every output that has arrived, in order, a list at a time (a slow reader gets them together)."""
+        try:
+            while not self.finished:
+                batch = [await self.outputs.get()]
+                while not batch[-1].finished and not self.outputs.empty():
+                    batch.append(self.outputs.get_nowait())
+                for out in batch:
+                    self.latency.observe(out)
+                self.finished = batch[-1].finished
+                yield batch
+        finally:
+            if not self.finished:  # the client left (or the server stops): free the request's blocks
+                self.engine.abort(self.handle)
+
+    async def result(self, request: Request) -> RequestOutput | None:
+        """The final output, or None if the client disconnected first (the request is then aborted)."""
+
+        async def last() -> RequestOutput:
+            async for batch in self.batches():
+                pass
+            return batch[-1]
+
+        answer = asyncio.ensure_future(last())
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if answer.done():
+            return answer.result()
+        answer.cancel()
+        try:
+            await answer
+        except asyncio.CancelledError:
+            pass
+        return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
+    model = engine.config.model
+    max_model_len = engine.engine.max_model_len
+    metrics = ServerMetrics()
+    started = int(time.time())
+    routers: dict[asyncio.AbstractEventLoop, OutputRouter] = {}  # one per event loop (uvicorn runs one)
+
+    def router() -> OutputRouter:
+        loop = asyncio.get_running_loop()
+        if loop not in routers:
+            routers[loop] = OutputRouter(loop)
+        return routers[loop]
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise api.bad_request(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise api.bad_request("the request body must be a JSON object")
+        api.check_model(body, model)
+        return body
+
+    async def complete(request: Request, chat: bool) -> Response:
+        body = await read_body(request)
+        prompt = api.chat_messages(body) if chat else api.completion_prompt(body)
+        params = api.sampling_params(body, max_model_len)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
+        include_usage = api.stream_options(body)
+        session = body.get("user") if isinstance(body.get("user"), str) else None
+        generation = await Generation(engine, metrics, router()).start(prompt, params, session)
+        reply = api.Reply(chat, generation.handle.id, model, generation.handle.prompt_tokens,
+                          token_ids=body.get("return_token_ids") is True)
+        headers = {REQUEST_ID_HEADER: str(generation.handle.id)}
+        if stream:
+            # The abort after the response is a no-op for a finished request (it catches a client gone early).
+            return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **headers},
+                                     background=BackgroundTask(engine.abort, generation.handle))
+        out = await generation.result(request)
+        if out is None:
+            return Response(status_code=499)  # nobody is listening any more
+        if out.finish_reason == "error":
+            raise api.ApiError(500, out.error or "the request failed", kind="server_error")
+        return JSONResponse(reply.full(out), headers=headers)
+
+    async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
+        if reply.chat:
+            yield sse(reply.chunk("", role=True))
+        sent_ids = 0
+        async for batch in generation.batches():
+            events = []
+            for out in batch:
+                if out.finish_reason == "error":
+                    events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
+                    break
+                new_ids = list(out.token_ids[sent_ids:]) if out.finished else out.new_token_ids
+                sent_ids += len(new_ids)
+                if out.delta or out.finished or reply.token_ids:
+                    events.append(sse(reply.chunk(out.delta, out.finish_reason if out.finished else None, new_ids)))
+                if out.finished and include_usage:
+                    events.append(sse(reply.usage_chunk(out.num_output_tokens)))
+            if events:
+                yield "".join(events)  # one write for everything that arrived together
+        yield sse("[DONE]")
+
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        card = {"id": model, "object": "model", "created": started, "owned_by": "zipage", "max_model_len": max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if not engine.alive:
+            raise api.ApiError(503, f"the engine stopped: {engine.failure!r}", kind="server_error")
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(request: Request) -> Response:
+        # A scrape waits for a snapshot taken now (at most one engine step), so counters are current.
+        snap = await run_in_threadpool(engine.snapshot, True)
+        return Response(metrics.render(snap), media_type=CONTENT_TYPE)
+
+    async def snapshot(request: Request) -> Response:
+        """The latest published snapshot (a few times a second); `?fresh=1` waits for one taken now."""
+        if request.query_params.get("fresh") in ("1", "true"):
+            snap = await run_in_threadpool(engine.snapshot, True)
+        else:
+            snap = engine.snapshot()
+        return JSONResponse(snapshot_to_dict(snap))
+
+    async def config(request: Request) -> Response:
+        return JSONResponse(asdict(engine.config))
+
+    async def events(request: Request) -> Response:
+        return StreamingResponse(event_stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def event_stream() -> AsyncIterator[str]:
+        inbox = engine.subscribe()
+        try:
+            quiet_since = time.monotonic()
+            yield ": events follow\n\n"
+            while True:
+                await asyncio.sleep(EVENT_POLL_S)
+                batch = []
+                while not inbox.empty():
+                    batch.append(inbox.get_nowait())
+                for event in batch:
+                    yield sse(event_to_dict(event))
+                if batch:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield ": keepalive\n\n"
+        finally:
+            engine.unsubscribe(inbox)
+
+    async def on_api_error(request: Request, e: api.ApiError) -> Response:
+        return error_response(e)
+
+    async def on_http_error(request: Request, e: HTTPException) -> Response:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(api.ApiError(e.status_code, f"{request.url.path}: {e.detail}", kind=kind))
+
+    async def on_crash(request: Request, e: Exception) -> Response:
+        return error_response(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", prometheus),
+        Route("/zipage/snapshot", snapshot),
+        Route("/zipage/config", config),
+        Route("/zipage/events", events),
+    ]
+    app = Starlette(routes=routes, exception_handlers={api.ApiError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_crash})
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    return app
+
+
+def serve(engine: EngineThread, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          log_level: str = "info") -> None:
+    """Run the server in this thread until interrupted; the caller closes the engine afterwards."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(engine, api_key), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run()
