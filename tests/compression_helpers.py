@@ -3,14 +3,13 @@ with a small budget, a step loop that checks the invariants after every step, an
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 
 from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
-from zipage.engine.loader import resolve_model
+from zipage.testing import save_random_model
 
 # Block size 16, window 4, budget 2 blocks: a request is compressed every 16 tokens once it holds
 # 3 blocks (48 entries), so compressions start within a few dozen generated tokens.
@@ -18,17 +17,8 @@ SMALL_BUDGET = dict(device="cpu", compression=True, block_size=16, window=4, max
 
 
 def build_random_model(folder: Path, family: str = "qwen3-tiny", seed: int = 0, init: float = 0.5) -> str:
-    """Save a transformers model built from the preset's config with large random weights (so greedy
-    output varies from token to token), plus the preset's byte tokenizer. Returns the folder."""
-    from transformers import AutoModelForCausalLM
-
-    source = resolve_model(f"random:{family}")
-    config = copy.deepcopy(source.hf_config)
-    config.initializer_range = init
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    source.tokenizer.save_pretrained(folder)
+    """An HF folder with large random weights (so greedy output varies from token to token)."""
+    save_random_model(folder, family, seed, init=init, vary_norms=False)
     return str(folder)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zipage.engine import LLM, SamplingParams
-from zipage.engine.loader import resolve_model
+from zipage.testing import save_random_model
 
 TINY_FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 
@@ -102,33 +102,9 @@ def smol_hf(smol):
 # Tiny random-weight models saved as HF folders
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Large-ish random weights so greedy output is varied: weights ~N(0, 0.2) (from
-    initializer_range), norm weights around 1 and non-zero biases so every switch matters."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".bias"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-
-
 def build_tiny_hf(family: str, folder: Path, seed: int = 0):
-    """A transformers model built from the preset's config with a fixed seed, saved as an HF
-    folder (safetensors + the preset's byte tokenizer). Returns the HF model (fp32, eval)."""
-    from transformers import AutoModelForCausalLM
-
-    source = resolve_model(f"random:{family}")
-    config = source.hf_config
-    config.initializer_range = 0.2
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    model.eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    source.tokenizer.save_pretrained(folder)
-    return model
+    """A seeded random transformers model of the preset's shape, saved as an HF folder."""
+    return save_random_model(folder, family, seed)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ triton_ops.patch_interpreter_for_numpy2()
 from zipage.kernels import triton_attention as tatt  # noqa: E402
 from zipage.kernels import triton_cache as tcache  # noqa: E402
 from zipage.kernels import triton_scores as tscores  # noqa: E402
+from zipage.testing import random_paged_cache  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 KV_HEADS = 2
@@ -34,20 +35,8 @@ def close(actual, expected, rtol=RTOL, atol=ATOL):
 
 
 def paged_cache(lens, block_size, kv_heads, head_dim, gen, spare_blocks=3, extra_cols=2, ahead=None):
-    """Random caches and shuffled block tables for sequences of these lengths. Tables are padded
-    with -1 (extra_cols beyond the longest); `ahead[i]` extra blocks are allocated past length i."""
-    ahead = ahead or [0] * len(lens)
-    counts = [-(-n // block_size) + a for n, a in zip(lens, ahead)]
-    num_blocks = sum(counts) + spare_blocks
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(counts) + extra_cols), -1, dtype=torch.int32)
-    used = 0
-    for i, c in enumerate(counts):
-        tables[i, :c] = perm[used:used + c].int()
-        used += c
-    return k_cache, v_cache, tables
+    return random_paged_cache(lens, block_size, kv_heads, head_dim, gen, spare_blocks=spare_blocks,
+                              extra_cols=extra_cols, ahead=ahead)
 
 
 # ---------------------------------------------------------------------------------------------
