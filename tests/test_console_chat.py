@@ -123,8 +123,8 @@ def test_broadcast_and_session_keys(engine):
                                               for s in app.sessions.values()), what="three answers")
             answers = [s.conv.history[-1]["content"] for s in app.sessions.values()]
             assert len(set(answers)) == 1  # greedy: one prompt, one answer, in every session
-            await pilot.press("ctrl+w")
-            assert len(app.sessions) == 2
+            await pilot.press("alt+w", "y")  # a session with history asks before it closes
+            await wait_for(pilot, lambda: len(app.sessions) == 2, what="the close")
 
             await pilot.press("f1")  # the panes keep refreshing under the help screen
             await pilot.pause(3 * REFRESH_S)

@@ -20,7 +20,9 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 from zipage.engine.service import EngineThread, RequestHandle
 from zipage.cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.themes import ThemedApp, theme_names
-from zipage.cli.widgets import BlockTable, EnginePanes, HelpScreen, drain, printable, session_name_widget_id
+from zipage.cli.history_input import HistoryInput
+from zipage.cli.widgets import (BlockTable, ConfirmScreen, EnginePanes, HelpScreen, drain, printable,
+                                session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
@@ -79,13 +81,16 @@ class ChatApp(ThemedApp):
     BINDINGS = [
         Binding("f1", "help", "Help", tooltip="Show keys and commands"),
         Binding("ctrl+n", "new_session", "New", tooltip="Open a new chat session"),
-        # Input binds ctrl+w (delete word) too; the session key wins.
-        Binding("ctrl+w", "close_session", "Close", priority=True, tooltip="Close this session"),
+        # Not ctrl+w: the message box keeps it for deleting a word, as terminals do.
+        Binding("alt+w", "close_session", "Close", tooltip="Close this session (asks first when it has history)"),
         Binding("ctrl+pagedown,alt+right", "next_session", "Next", tooltip="Switch to the next session"),
         Binding("ctrl+pageup,alt+left", "previous_session", "Previous", show=False,
                 tooltip="Switch to the previous session"),
         Binding("ctrl+b", "broadcast", "Send to all", tooltip="Send the typed message to every idle session"),
         Binding("escape", "stop", "Stop answer", tooltip="Stop this session's running answer"),
+        # Priority: the message box would take ctrl+c for copy.
+        Binding("ctrl+c", "interrupt", "Stop/quit", show=False, priority=True,
+                tooltip="Stop the running answer; with none running, press twice to quit"),
         ThemedApp.THEME_BINDING,
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
@@ -99,6 +104,7 @@ class ChatApp(ThemedApp):
         self.sessions: dict[str, Session] = {}  # by pane id
         self.events: queue.Queue = engine.subscribe()
         self.counter = 0
+        self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
         self.sub_title = f"{engine.config.model} · {engine.snapshot().device}"
 
     # -- layout --------------------------------------------------------------------
@@ -106,7 +112,7 @@ class ChatApp(ThemedApp):
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
         self.tabs = TabbedContent(id="tabs")
         self.settings = Static(id="settings", classes="settings")
-        self.prompt = Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
+        self.prompt = HistoryInput(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
                             id="prompt")
         self.block_table = BlockTable(id="blocks-view")
         panes = EnginePanes()
@@ -158,8 +164,26 @@ class ChatApp(ThemedApp):
     async def action_new_session(self) -> None:
         await self.open_session()
 
-    async def action_close_session(self) -> None:
+    def action_close_session(self) -> None:
+        """Close the current session; one with history or a running answer asks first."""
         pane_id = self.tabs.active
+        session = self.sessions.get(pane_id)
+        if session is None:
+            return
+        turns = len(session.conv.history) // 2
+        if not turns and not session.busy:
+            self.run_worker(self.close_session(pane_id))
+            return
+        lost = [f"{turns} turn{'s' if turns != 1 else ''}"] if turns else []
+        lost += ["its running answer"] if session.busy else []
+        question = f"Close {session.conv.name}? Its {' and '.join(lost)} will be lost."
+
+        async def answered(yes: bool | None) -> None:
+            if yes:
+                await self.close_session(pane_id)
+        self.push_screen(ConfirmScreen(question), answered)
+
+    async def close_session(self, pane_id: str) -> None:
         session = self.sessions.pop(pane_id, None)
         if session is None:
             return
@@ -193,6 +217,7 @@ class ChatApp(ThemedApp):
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         line = event.value.strip()
         event.input.value = ""
+        self.prompt.remember(line)
         if line:
             await self.run_line(line)
 
@@ -208,7 +233,7 @@ class ChatApp(ThemedApp):
             elif command == "/new":
                 await self.open_session(arg or None)
             elif command == "/close":
-                await self.action_close_session()
+                self.action_close_session()
             elif command == "/theme":
                 self.apply_theme(arg) if arg else self.action_cycle_theme()
             elif command == "/help":
@@ -223,8 +248,14 @@ class ChatApp(ThemedApp):
             self.notify(str(e), severity="error")
 
     def action_broadcast(self) -> None:
-        text, self.prompt.value = self.prompt.value.strip(), ""
-        self.broadcast(text)
+        text = self.prompt.value.strip()
+        try:
+            self.broadcast(text)
+        except ValueError as e:  # nothing typed, or nobody idle: say so, keep the text
+            self.notify(str(e), severity="error")
+            return
+        self.prompt.remember(text)
+        self.prompt.value = ""
 
     def broadcast(self, text: str) -> None:
         if not text:
@@ -242,6 +273,21 @@ class ChatApp(ThemedApp):
             if session.handle is not None:
                 self.engine.abort(session.handle)
 
+    def action_interrupt(self) -> None:
+        """ctrl+c: stop the current answer; with nothing to stop, the second press quits."""
+        session = self.current
+        if session is not None and session.busy:
+            self.action_stop()
+            self.notify(f"{session.conv.name}: answer stopped", timeout=2)
+        elif self.quit_armed:
+            self.exit()
+        else:
+            self.quit_armed = True
+            self.notify("press Ctrl+C again to quit (Ctrl+Q quits at once)", timeout=4)
+
+    def on_input_changed(self) -> None:
+        self.quit_armed = False  # typing in between starts the count again
+
     def action_help(self) -> None:
         notes = "Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
         self.push_screen(HelpScreen("Zipage chat: keys", self.BINDINGS, notes))
@@ -255,6 +301,7 @@ class ChatApp(ThemedApp):
         session.view.mount(reply)
         session.view.scroll_end(animate=False)
         session.busy, session.stop_requested = True, False
+        self.quit_armed = False
         self.show_settings()
         self.run_worker(lambda: self.stream(session, prompt, reply), thread=True, group="answers")
 

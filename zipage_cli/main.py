@@ -175,8 +175,8 @@ def _check_theme(theme: str) -> None:
                     "  zipage chat --sessions 3 --theme light --temperature 0.3\n\n"
                     "  zipage chat --plain --max-tokens 128\n\n"
                     "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
-                    "Keys: Ctrl+N new session, Ctrl+W close, Alt+←/→ switch, Ctrl+B send to all sessions, "
-                    "Esc stop the answer, Ctrl+T theme, F1 help, Ctrl+Q quit.")
+                    "Keys: Ctrl+N new session, Alt+W close, Alt+←/→ switch, ↑/↓ earlier messages, "
+                    "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
 def chat(
     plain: bool = typer.Option(False, help="Line-mode chat instead of the full-screen app (also used when "

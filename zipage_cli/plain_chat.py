@@ -50,8 +50,9 @@ class Conversation:
     def settings_line(self) -> str:
         system = f"system: {self.system[:24]}…" if self.system and len(self.system) > 24 else (
             f"system: {self.system}" if self.system else "no system message")
+        turns = len(self.history) // 2
         return (f"temperature {self.temperature:g} · max tokens {self.max_tokens} · {system} · "
-                f"{len(self.history) // 2} turns")
+                f"{turns} turn{'s' if turns != 1 else ''}")
 
     def apply(self, command: str, arg: str) -> str | None:
         """Run a settings command; returns a confirmation, None if `command` is not one,

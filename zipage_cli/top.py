@@ -261,7 +261,7 @@ class TopApp(ThemedApp):
         Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
         Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
         ThemedApp.THEME_BINDING,
-        Binding("q,ctrl+q", "quit", "Quit", tooltip="Leave"),
+        Binding("q,ctrl+q,ctrl+c", "quit", "Quit", tooltip="Leave"),
     ]
 
     def __init__(self, engine: EngineThread, load: LoadGenerator | None = None, theme_name: str = "dark",

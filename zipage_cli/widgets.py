@@ -347,6 +347,28 @@ class HelpScreen(ModalScreen):
             yield Static(text)
 
 
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; dismisses with True for y (or Enter), False for n or Esc."""
+
+    BINDINGS = [Binding("y,enter", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Static { width: auto; max-width: 70; height: auto; padding: 1 2; }
+    """
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        box = Static(Text.assemble((self.question, "bold"), "\n\ny: yes   n or Esc: no"), classes="pane")
+        box.border_title = "Confirm"
+        yield box
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
 def session_name_widget_id(name: str) -> str:
     """A DOM id for a session name (ids allow letters, digits, '-' and '_')."""
     return "s-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
