@@ -185,3 +185,40 @@ def test_theme_cycle_restyles_the_screen(engine):
 def test_bad_theme_name_is_rejected(engine):
     with pytest.raises(ValueError, match="unknown theme 'neon'.*dark, light, high-contrast"):
         ChatApp(engine, theme_name="neon")
+
+
+def test_the_app_draws_first_and_loads_the_model_behind_a_progress_line():
+    import threading
+
+    gate = threading.Event()  # holds the load until the test has seen the loading screen
+
+    def start():
+        gate.wait(30)
+        return EngineThread("random:llama-tiny", **KNOBS)
+
+    async def run():
+        app = ChatApp(start, temperature=0.0, max_tokens=4, model_name="random:llama-tiny")
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause(2 * REFRESH_S)
+            assert app.engine is None and app.tabs.loading
+            assert "loading random:llama-tiny…" in str(app.settings.render())
+            await pilot.press(*"too early", "enter")  # refused with a toast, the app carries on
+            assert "still loading" in " ".join(n.message for n in app._notifications)
+            gate.set()
+            await wait_for(pilot, lambda: app.engine is not None, what="the model")
+            assert not app.tabs.loading and "idle" in str(app.settings.render())
+            await pilot.press(*"now", "enter")
+            await wait_for(pilot, lambda: len(app.current.conv.history) == 2, what="the answer")
+        app.engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_model_that_fails_to_load_ends_the_app_with_its_message():
+    async def run():
+        app = ChatApp(lambda: EngineThread("random:nope", device="cpu"))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: not app.is_running, what="the app to end")
+        assert app.return_code == 2 and "unknown random preset 'random:nope'" in app.load_error
+
+    asyncio.run(run())

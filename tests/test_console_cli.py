@@ -139,3 +139,46 @@ def test_every_console_command_has_help_with_examples():
         result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
         assert result.exit_code == 0
         assert "Examples" in result.output and f"zipage {command}" in result.output
+
+
+def test_help_and_model_listing_never_import_torch():
+    """The CLI module and `zipage models` stay light: torch and transformers load only for real work."""
+    probe = ("import sys; from typer.testing import CliRunner; from zipage.cli.main import app; "
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported by the CLI'; "
+             "result = CliRunner().invoke(app, ['models']); assert result.exit_code == 0, result.output; "
+             "assert 'random:llama-tiny' in result.output; "
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported by models'")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_engine_option_has_its_own_help_and_flags_show_no_type():
+    result = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "Engine knob" not in result.output
+    for line in result.output.splitlines():
+        if "--raw" in line or "--stats" in line or "--compression" in line:
+            assert "<bool>" not in line, line
+
+
+def test_empty_prompt_and_bad_eval_options_are_refused():
+    runner = CliRunner()
+    for argv, message in [(["generate", ""], "the prompt is empty"),
+                          (["generate", "   "], "the prompt is empty"),
+                          (["eval", "fidelity", "--budgets", "4,x"], "--budgets '4,x'"),
+                          (["eval", "fidelity", "--num-prompts", "0"], "--num-prompts")]:
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert message in result.output, (argv, result.output)
+
+
+def test_ctrl_c_while_generate_loads_exits_quietly_with_130():
+    term = Terminal(CLI + ["generate", "hello", "--device", "cpu", "--kv-cache-gb", "0.05"])
+    try:
+        assert term.expect(b"loading", 60), term.output[-500:]
+        term.send(b"\x03")  # Ctrl+C: the terminal turns it into SIGINT for the process
+        assert term.wait(60) == 130
+        assert b"Traceback" not in term.output and b"KeyboardInterrupt" not in term.output, term.output[-800:]
+    finally:
+        term.close()

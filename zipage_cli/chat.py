@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -95,17 +96,46 @@ class ChatApp(ThemedApp):
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
-    def __init__(self, engine: EngineThread, theme_name: str = "dark", sessions: int = 1,
-                 temperature: float = 0.7, max_tokens: int = 512, system: str | None = None):
+    def __init__(self, engine: EngineThread | Callable[[], EngineThread], theme_name: str = "dark",
+                 sessions: int = 1, temperature: float = 0.7, max_tokens: int = 512, system: str | None = None,
+                 model_name: str = "the model"):
+        """`engine` is a running engine, or a function that starts one: the app then draws first and
+        calls it in a worker thread, showing progress while the model loads."""
         super().__init__(theme_name)
-        self.engine = engine
+        self.engine: EngineThread | None = None
+        self.start_engine = engine if callable(engine) else None
+        self.model_name = model_name
+        self.load_started = time.monotonic()
+        self.load_error: str | None = None
         self.defaults = dict(temperature=temperature, max_tokens=max_tokens, system=system)
         self.initial_sessions = max(1, sessions)
         self.sessions: dict[str, Session] = {}  # by pane id
-        self.events: queue.Queue = engine.subscribe()
+        self.events: queue.Queue | None = None
         self.counter = 0
         self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
+        if self.start_engine is None:
+            self.engine_ready(engine)
+
+    def engine_ready(self, engine: EngineThread) -> None:
+        self.engine = engine
+        self.events = engine.subscribe()
         self.sub_title = f"{engine.config.model} · {engine.snapshot().device}"
+        if self.is_running:  # loaded by the worker, after the first draw
+            self.tabs.loading = False
+            self.show_settings()
+
+    def load_engine(self) -> None:
+        """Worker thread: start the engine; a bad model or knob ends the app with its message."""
+        try:
+            engine = self.start_engine()
+        except ValueError as e:
+            self.load_error = str(e)
+            self.call_from_thread(self.exit, None, 2)
+            return
+        if not self.is_running:  # the user left while the model loaded
+            engine.close()
+            return
+        self.call_from_thread(self.engine_ready, engine)
 
     # -- layout --------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -134,10 +164,15 @@ class ChatApp(ThemedApp):
         for _ in range(self.initial_sessions):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
+        if self.engine is None:
+            self.tabs.loading = True  # an animated indicator over the transcript while the model loads
+            self.run_worker(self.load_engine, thread=True, group="load")
         self.set_interval(REFRESH_S, self.refresh_panes)
         self.prompt.focus()
 
     def on_unmount(self) -> None:
+        if self.engine is None:
+            return
         for session in self.sessions.values():
             if session.handle is not None:
                 self.engine.abort(session.handle)
@@ -209,6 +244,10 @@ class ChatApp(ThemedApp):
     def show_settings(self) -> None:
         session = self.current
         if session is None:
+            return
+        if self.engine is None:
+            seconds = time.monotonic() - self.load_started
+            self.settings.update(f"loading {self.model_name}… {seconds:.0f} s (the first run downloads it)")
             return
         state = "answering… (Esc stops)" if session.busy else "idle"
         self.settings.update(f"{session.conv.name}: {state} · {session.conv.settings_line()}")
@@ -294,6 +333,8 @@ class ChatApp(ThemedApp):
 
     # -- answering -----------------------------------------------------------------
     def ask(self, session: Session, prompt: str) -> None:
+        if self.engine is None:
+            raise ValueError(f"{self.model_name} is still loading; send the message once it is ready")
         if session.busy:
             raise ValueError(f"{session.conv.name} is still answering; Esc stops it")
         session.view.mount(Message(prompt, "msg-user"))
@@ -358,6 +399,9 @@ class ChatApp(ThemedApp):
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
+        if self.engine is None:
+            self.show_settings()  # the loading time ticks
+            return
         snapshot = self.engine.snapshot()
         self.block_table.show(snapshot)
         self.throughput.show(snapshot)

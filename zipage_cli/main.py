@@ -33,16 +33,16 @@ def generate(
     min_p: float = typer.Option(0.0, help="Drop tokens below min_p times the top probability."),
     repetition_penalty: float = typer.Option(1.0, help="Penalty for tokens already in the context."),
     sample_seed: int = typer.Option(None, "--sample-seed", help="Seed for this request's sampling."),
-    raw: bool = typer.Option(False, help="Send the prompt as is, without the model's chat template."),
+    raw: bool = typer.Option(False, "--raw", metavar="",
+                             help="Send the prompt as is, without the model's chat template."),
     system: str = typer.Option(None, help="A system message for the chat template."),
-    stats: bool = typer.Option(False, help="Print tokens, time and throughput to stderr at the end."),
+    stats: bool = typer.Option(False, "--stats", metavar="", help="Print tokens, time and throughput to stderr at the end."),
     engine_kwargs: dict = None,
 ):
     """Stream the model's answer to a prompt to standard output."""
     import time
 
     from zipage.engine.config import SamplingParams
-    from zipage.engine.service import EngineThread
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -54,14 +54,17 @@ def generate(
         except UnicodeDecodeError as e:
             err.print(f"[red]error:[/] standard input is not valid UTF-8: {e}")
             raise typer.Exit(2)
+    if not prompt.strip():
+        err.print("[red]error:[/] the prompt is empty; give some text to answer")
+        raise typer.Exit(2)
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed)
-        with err.status("loading model..."):
-            service = EngineThread(**engine_kwargs)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
+    service = _load_engine(engine_kwargs)
+    handle = None
     try:
         messages = None
         if not raw and getattr(service.tokenizer, "chat_template", None):
@@ -85,7 +88,8 @@ def generate(
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
     except KeyboardInterrupt:
-        service.abort(handle)
+        if handle is not None:
+            service.abort(handle)
         raise typer.Exit(130)
     finally:
         service.close()
@@ -100,7 +104,7 @@ def models():
     table.add_column("name", style="bold")
     table.add_column("kind")
     table.add_column("available offline")
-    table.add_column("description / path")
+    table.add_column("description / path", overflow="fold")  # a path wraps whole, never cut
     for row in list_models():
         offline = row.get("available")
         table.add_row(row["name"], row.get("kind", ""), "yes" if offline else ("-" if offline is None else "no"),
@@ -116,7 +120,7 @@ app.add_typer(eval_app, name="eval")
                                      "  zipage eval fidelity --num-prompts 4 --tokens 256 --budgets 4,8 --json f.json")
 def eval_fidelity(
     model: str = typer.Option("smollm2-135m", help="Model to evaluate."),
-    num_prompts: int = typer.Option(16, help="Prompts (up to 16 built in)."),
+    num_prompts: int = typer.Option(16, min=1, help="Prompts (up to 16 built in)."),
     tokens: int = typer.Option(1024, help="Greedy tokens generated per prompt by full KV."),
     budgets: str = typer.Option("4,8,16", help="Block budgets to test, comma-separated."),
     block_size: int = typer.Option(32, help="Tokens per block."),
@@ -133,8 +137,8 @@ def eval_fidelity(
 
     from zipage.cli import fidelity
 
+    budget_list = _whole_numbers(budgets, "--budgets")
     try:
-        budget_list = [int(b) for b in budgets.split(",")]
         results = fidelity.run(model, num_prompts, tokens, budget_list, block_size, window, device,
                                progress=lambda line: err.print(line),
                                configurations=configurations.split(";") if configurations else None,
@@ -149,16 +153,47 @@ def eval_fidelity(
 
 
 
-def _load_engine(engine_kwargs: dict):
-    """Start the engine behind a spinner; bad knobs or models exit with status 2."""
-    from zipage.engine.service import EngineThread
+def _whole_numbers(text: str, option: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16]; anything else exits with status 2, naming the option."""
+    try:
+        numbers = [int(part) for part in text.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        err.print(f"[red]error:[/] {option} {text!r}: expected positive whole numbers separated by commas, "
+                  "e.g. 4,8,16")
+        raise typer.Exit(2)
+    return numbers
 
+
+def _load_engine(engine_kwargs: dict):
+    """Start the engine behind a spinner; bad knobs or models exit with status 2, Ctrl+C with 130."""
+    import signal
+
+    interrupted = []
+
+    def on_interrupt(signum, frame):
+        # Remembered as well as raised: an import deep inside the load may swallow the exception.
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
-            return EngineThread(**engine_kwargs)
+            from zipage.engine.service import EngineThread
+
+            engine = EngineThread(**engine_kwargs)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
+    except KeyboardInterrupt:  # quietly, as once the answer streams
+        raise typer.Exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        engine.close()
+        raise typer.Exit(130)
+    return engine
 
 
 def _check_theme(theme: str) -> None:
@@ -179,7 +214,7 @@ def _check_theme(theme: str) -> None:
                     "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
 def chat(
-    plain: bool = typer.Option(False, help="Line-mode chat instead of the full-screen app (also used when "
+    plain: bool = typer.Option(False, "--plain", metavar="", help="Line-mode chat instead of the full-screen app (also used when "
                                            "standard input or output is not a terminal)."),
     sessions: int = typer.Option(1, min=1, max=16, help="Chat sessions to open at start."),
     temperature: float = typer.Option(0.7, help="Sampling temperature of new sessions; 0 = greedy."),
@@ -198,17 +233,32 @@ def chat(
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
-    full_screen = not plain and sys.stdin.isatty() and sys.stdout.isatty()
+    if not plain and sys.stdin.isatty() and sys.stdout.isatty():
+        _run_chat_app(engine_kwargs, theme, sessions, temperature, max_tokens, system)
+        return
     engine = _load_engine(engine_kwargs)
     try:
-        if full_screen:
-            from zipage.cli.chat import ChatApp
-
-            ChatApp(engine, theme, sessions, temperature, max_tokens, system).run()
-        else:
-            run_plain(engine, Conversation("chat", temperature, max_tokens, system))
+        run_plain(engine, Conversation("chat", temperature, max_tokens, system))
     finally:
         engine.close()
+
+
+def _run_chat_app(engine_kwargs: dict, theme: str, sessions: int, temperature: float, max_tokens: int,
+                  system: str | None) -> None:
+    """The full-screen chat draws at once and loads the model in the background."""
+    from zipage.cli.chat import ChatApp
+    from zipage.engine.service import EngineThread
+
+    app = ChatApp(lambda: EngineThread(**engine_kwargs), theme, sessions, temperature, max_tokens, system,
+                  model_name=engine_kwargs.get("model", "smollm2-135m"))
+    try:
+        app.run()
+    finally:
+        if app.engine is not None:
+            app.engine.close()
+    if app.load_error is not None:
+        err.print(f"[red]error:[/] {app.load_error}")
+        raise typer.Exit(2)
 
 
 @app.command(epilog="Examples:\n\n  zipage top\n\n"
@@ -225,7 +275,7 @@ def top(
     rate: float = typer.Option(None, min=0.001, help="Start at most this many requests per second."),
     prompts: str = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} per line), cycled; "
                                            "default: random-token prompts."),
-    teach: bool = typer.Option(False, help="Start in teaching mode: paused, one engine step per key press."),
+    teach: bool = typer.Option(False, "--teach", metavar="", help="Start in teaching mode: paused, one engine step per key press."),
     theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
     engine_kwargs: dict = None,
 ):
