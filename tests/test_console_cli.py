@@ -103,7 +103,7 @@ def test_plain_chat_reads_piped_lines():
 def test_bench_json_has_all_three_modes(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(CLI + ["bench", "--mode", "zipage", "--mode", "fullkv", "--mode", "hf",
-                                 "--num-requests", "3", "--input-len", "12", "--output-len", "20",
+                                 "--num-requests", "3", "--input-len", "12", "--output-len", "20", "--repeats", "1",
                                  "--max-cache-blocks-per-seq", "1", "--num-kv-blocks", "32", "--json", str(out)]
                           + TINY, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr

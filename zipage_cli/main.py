@@ -310,10 +310,12 @@ def bench(
     num_requests: int = typer.Option(16, min=1, help="Requests, all submitted at once."),
     input_len: int = typer.Option(128, min=1, help="Random prompt tokens per request."),
     output_len: int = typer.Option(256, min=1, help="Tokens generated per request (greedy, EOS ignored)."),
+    repeats: int = typer.Option(3, min=1, help="Timed runs per mode, interleaved across modes, after a warm-up."),
     json_path: str = typer.Option(None, "--json", help="Also write the results as JSON here."),
     engine_kwargs: dict = None,
 ):
-    """Throughput of Zipage against full KV and transformers on the same weights and prompts."""
+    """Throughput of Zipage against full KV and transformers on the same weights and prompts: median and
+    spread of several interleaved runs per mode."""
     import json
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -325,28 +327,40 @@ def bench(
         err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
         raise typer.Exit(2)
     model = engine_kwargs.pop("model", "smollm2-135m")
-    with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err) as bar:
-        tasks = {m: bar.add_task(m, total=num_requests, start=False) for m in mode}
+    with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=err) as bar:
+        total = num_requests * output_len * repeats
+        tasks = {m: bar.add_task(m, total=total, start=False) for m in mode}
 
         def progress(m: str, done: int, total: int) -> None:
             bar.start_task(tasks[m])
             bar.update(tasks[m], completed=done)
 
         try:
-            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress)
+            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress,
+                                repeats=repeats, note=lambda line: bar.console.print(f"[yellow]note:[/] {line}"))
         except ValueError as e:
             err.print(f"[red]error:[/] {e}")
             raise typer.Exit(2)
+        except RuntimeError as e:  # a mode failed to run
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(1)
     table = Table(title=f"{model} · {num_requests} requests · {input_len} in / {output_len} out · "
-                        f"{results['device']}")
-    for column in ("mode", "tok/s", "time (s)", "output tokens", "peak concurrency", f"vs {mode[0]}"):
+                        f"{results['device']} · median of {repeats} run{'s' if repeats != 1 else ''} per mode")
+    for column in ("mode", "tok/s", "spread (min–max)", "time (s)", "output tokens", "peak concurrency",
+                   f"vs {mode[0]}"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results["results"]:
-        table.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['seconds']:.2f}", str(r["output_tokens"]),
-                      "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
-                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}×")
+        low, high = r["spread"]
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×" + (" (noise)" if r["within_noise"] else "")
+        table.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{low:.1f}–{high:.1f}", f"{r['seconds']:.2f}",
+                      str(r["output_tokens"]), "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
+                      ratio)
     Console().print(table)
+    noisy = [r["mode"] for r in results["results"] if r["within_noise"]]
+    if noisy:
+        Console().print(f"(noise): the runs of {', '.join(noisy)} overlap those of {mode[0]}; the difference is "
+                        "inside the run-to-run noise of this machine, not a result.")
     footprint = results.get("kv_footprint")
     if footprint:
         Console().print(f"KV footprint of this workload: full KV holds {footprint['full_kv_blocks']:.1f} blocks per "
