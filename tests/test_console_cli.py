@@ -182,3 +182,19 @@ def test_ctrl_c_while_generate_loads_exits_quietly_with_130():
         assert b"Traceback" not in term.output and b"KeyboardInterrupt" not in term.output, term.output[-800:]
     finally:
         term.close()
+
+
+def test_plain_chat_wraps_between_words():
+    import io
+
+    from zipage.cli.plain_chat import WordWrapper
+
+    out = io.StringIO()
+    writer = WordWrapper(out, width=20)
+    for piece in ["The quick bro", "wn fox jumps over the la", "zy dog.\nA", " supercalifragilisticexpialidocious end"]:
+        writer.write(piece)
+    writer.finish()
+    lines = out.getvalue().split("\n")
+    assert lines == ["The quick brown fox", "jumps over the lazy", "dog.", "A", "supercalifragilistic",
+                     "expialidocious end"]
+    assert all(len(line) <= 20 for line in lines)

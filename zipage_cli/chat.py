@@ -22,10 +22,11 @@ from zipage.engine.service import EngineThread, RequestHandle
 from zipage.cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.themes import ThemedApp, theme_names
 from zipage.cli.history_input import HistoryInput
-from zipage.cli.widgets import (BlockTable, ConfirmScreen, EnginePanes, HelpScreen, drain, printable,
+from zipage.cli.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, drain, printable,
                                 session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
+SIDE_MIN_WIDTH = 100  # narrower terminals start with the side panes hidden: the transcript comes first
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
 FINISH_LABELS = {"stop": "finished", "length": "reached max tokens", "abort": "stopped"}
 
@@ -42,6 +43,23 @@ class Session:
     handle: RequestHandle | None = None
     busy: bool = False
     stop_requested: bool = False
+
+
+def answer_meta(out, ended: float) -> str:
+    """The line under an answer: tokens, time to first token (queueing and prefill) and decode speed
+    apart, how it ended, and compression."""
+    tokens = len(out.token_ids)
+    parts = [f"{tokens} token{'s' if tokens != 1 else ''}"]
+    first, arrival = out.metrics.get("first_token"), out.metrics.get("arrival")
+    if first is not None and arrival is not None:
+        parts.append(f"first token after {first - arrival:.2f} s")
+        if tokens > 1 and ended > first:
+            parts.append(f"then {(tokens - 1) / (ended - first):.1f} tok/s")
+    parts.append(FINISH_LABELS.get(out.finish_reason, out.finish_reason))
+    squeezed = out.metrics.get("times_compressed", 0)
+    if squeezed:
+        parts.append(f"KV compressed {squeezed}×")
+    return " · ".join(parts)
 
 
 class Message(Static):
@@ -61,6 +79,7 @@ class ChatApp(ThemedApp):
     CSS = """
     #main { width: 2fr; }
     #side { width: 1fr; min-width: 40; max-width: 64; }
+    #body.no-side #side { display: none; }
     TabbedContent { height: 1fr; }
     TabPane { padding: 0; }
     .transcript { height: 1fr; padding: 0 1; }
@@ -93,6 +112,8 @@ class ChatApp(ThemedApp):
         Binding("ctrl+c", "interrupt", "Stop/quit", show=False, priority=True,
                 tooltip="Stop the running answer; with none running, press twice to quit"),
         ThemedApp.THEME_BINDING,
+        Binding("f2", "toggle_side", "Panes", tooltip="Hide or show the side panes (hidden at first below "
+                                                         f"{SIDE_MIN_WIDTH} columns)"),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
@@ -113,6 +134,7 @@ class ChatApp(ThemedApp):
         self.events: queue.Queue | None = None
         self.counter = 0
         self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
+        self.side_shown: bool | None = None  # None: decided by the terminal's width
         if self.start_engine is None:
             self.engine_ready(engine)
 
@@ -147,8 +169,10 @@ class ChatApp(ThemedApp):
         self.block_table = BlockTable(id="blocks-view")
         panes = EnginePanes()
         self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
+        self.latency = panes.latency
         yield Header(icon="▣")
-        with Horizontal():
+        self.body = Horizontal(id="body")
+        with self.body:
             with Vertical(id="main"):
                 yield self.tabs
                 yield self.settings
@@ -161,6 +185,7 @@ class ChatApp(ThemedApp):
         yield Footer()
 
     async def on_mount(self) -> None:
+        self.place_side()
         for _ in range(self.initial_sessions):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
@@ -312,6 +337,19 @@ class ChatApp(ThemedApp):
             if session.handle is not None:
                 self.engine.abort(session.handle)
 
+    def on_resize(self) -> None:
+        self.place_side()
+        for session in self.sessions.values():  # the newest message stays in view
+            self.call_after_refresh(session.view.scroll_end, animate=False)
+
+    def place_side(self) -> None:
+        shown = self.side_shown if self.side_shown is not None else self.size.width >= SIDE_MIN_WIDTH
+        self.body.set_class(not shown, "no-side")
+
+    def action_toggle_side(self) -> None:
+        self.side_shown = self.body.has_class("no-side")
+        self.place_side()
+
     def action_interrupt(self) -> None:
         """ctrl+c: stop the current answer; with nothing to stop, the second press quits."""
         session = self.current
@@ -328,7 +366,9 @@ class ChatApp(ThemedApp):
         self.quit_armed = False  # typing in between starts the count again
 
     def action_help(self) -> None:
-        notes = "Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
+        notes = ("Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
+                 + "\n\nThe side panes: each request's KV blocks (glyph = role), throughput, the pool and "
+                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS)
         self.push_screen(HelpScreen("Zipage chat: keys", self.BINDINGS, notes))
 
     # -- answering -----------------------------------------------------------------
@@ -348,12 +388,11 @@ class ChatApp(ThemedApp):
 
     def stream(self, session: Session, prompt: str, reply: Message) -> None:
         """Worker thread: submit, then push the growing text to the UI a few dozen times a second."""
-        start = time.monotonic()
         try:
             handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
                                         session=session.conv.name)
         except (ValueError, RuntimeError) as e:
-            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), start)
+            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), time.monotonic())
             return
         session.handle = handle
         if session.stop_requested:  # Esc arrived while the submit was in flight
@@ -364,7 +403,7 @@ class ChatApp(ThemedApp):
             if time.monotonic() - drawn >= STREAM_REDRAW_S:
                 drawn = time.monotonic()
                 self.call_from_thread(self.show_partial, reply, text)
-        self.call_from_thread(self.finish, session, prompt, reply, handle, None, start)
+        self.call_from_thread(self.finish, session, prompt, reply, handle, None, time.monotonic())
 
     def show_partial(self, reply: Message, text: str) -> None:
         if not reply.is_attached:  # the session was closed meanwhile
@@ -375,7 +414,7 @@ class ChatApp(ThemedApp):
             view.scroll_end(animate=False)  # follow the answer unless the user scrolled back
 
     def finish(self, session: Session, prompt: str, reply: Message, handle: RequestHandle | None,
-               error: str | None, start: float) -> None:
+               error: str | None, ended: float) -> None:
         session.busy, session.handle = False, None
         out = handle.result() if handle is not None else None
         if out is not None and out.finish_reason == "error":
@@ -388,11 +427,7 @@ class ChatApp(ThemedApp):
         else:
             reply.set_text(out.text or "(empty answer)")
             session.conv.record(prompt, out.text)
-            seconds = time.monotonic() - start
-            squeezed = out.metrics.get("times_compressed", 0)
-            meta = (f"{len(out.token_ids)} tokens · {len(out.token_ids) / seconds:.1f} tok/s · "
-                    f"{FINISH_LABELS.get(out.finish_reason, out.finish_reason)}"
-                    + (f" · KV compressed {squeezed}×" if squeezed else ""))
+            meta = answer_meta(out, ended)
             reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
             reply.parent.scroll_end(animate=False)
         self.show_settings()
@@ -406,6 +441,7 @@ class ChatApp(ThemedApp):
         self.block_table.show(snapshot)
         self.throughput.show(snapshot)
         self.gauges.show(snapshot)
+        self.latency.show(snapshot)
         self.event_log.add(drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
