@@ -22,11 +22,11 @@ from zipage.engine.service import EngineThread, RequestHandle
 from zipage.cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.themes import ThemedApp, theme_names
 from zipage.cli.history_input import HistoryInput
-from zipage.cli.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, drain, printable,
-                                session_name_widget_id)
+from zipage.cli.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, SidePanes, drain,
+                                printable, session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
-SIDE_MIN_WIDTH = 100  # narrower terminals start with the side panes hidden: the transcript comes first
+
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
 FINISH_LABELS = {"stop": "finished", "length": "reached max tokens", "abort": "stopped"}
 
@@ -74,12 +74,11 @@ class Message(Static):
         self.update(Text(printable(text)))
 
 
-class ChatApp(ThemedApp):
+class ChatApp(SidePanes, ThemedApp):
     TITLE = "Zipage chat"
-    CSS = """
+    CSS = SidePanes.SIDE_CSS + """
     #main { width: 2fr; }
     #side { width: 1fr; min-width: 40; max-width: 64; }
-    #body.no-side #side { display: none; }
     TabbedContent { height: 1fr; }
     TabPane { padding: 0; }
     .transcript { height: 1fr; padding: 0 1; }
@@ -112,8 +111,7 @@ class ChatApp(ThemedApp):
         Binding("ctrl+c", "interrupt", "Stop/quit", show=False, priority=True,
                 tooltip="Stop the running answer; with none running, press twice to quit"),
         ThemedApp.THEME_BINDING,
-        Binding("f2", "toggle_side", "Panes", tooltip="Hide or show the side panes (hidden at first below "
-                                                         f"{SIDE_MIN_WIDTH} columns)"),
+        SidePanes.SIDE_BINDING,
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
@@ -134,7 +132,6 @@ class ChatApp(ThemedApp):
         self.events: queue.Queue | None = None
         self.counter = 0
         self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
-        self.side_shown: bool | None = None  # None: decided by the terminal's width
         if self.start_engine is None:
             self.engine_ready(engine)
 
@@ -177,7 +174,7 @@ class ChatApp(ThemedApp):
                 yield self.tabs
                 yield self.settings
                 yield self.prompt
-            with Vertical(id="side"):
+            with Vertical(id="side", classes="side"):
                 with VerticalScroll(id="blocks", classes="pane") as pane:
                     pane.border_title = "KV blocks per request"
                     yield self.block_table
@@ -185,7 +182,6 @@ class ChatApp(ThemedApp):
         yield Footer()
 
     async def on_mount(self) -> None:
-        self.place_side()
         for _ in range(self.initial_sessions):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
@@ -215,6 +211,7 @@ class ChatApp(ThemedApp):
         if pane_id in self.sessions:
             raise ValueError(f"a session named {name!r} is already open")
         session = Session(Conversation(name, **self.defaults), VerticalScroll(classes="transcript"))
+        session.view.anchor()  # the newest message stays in view (through resizes too) until the user scrolls back
         self.sessions[pane_id] = session
         await self.tabs.add_pane(TabPane(name, session.view, id=pane_id))
         self.tabs.active = pane_id
@@ -337,19 +334,6 @@ class ChatApp(ThemedApp):
             if session.handle is not None:
                 self.engine.abort(session.handle)
 
-    def on_resize(self) -> None:
-        self.place_side()
-        for session in self.sessions.values():  # the newest message stays in view
-            self.call_after_refresh(session.view.scroll_end, animate=False)
-
-    def place_side(self) -> None:
-        shown = self.side_shown if self.side_shown is not None else self.size.width >= SIDE_MIN_WIDTH
-        self.body.set_class(not shown, "no-side")
-
-    def action_toggle_side(self) -> None:
-        self.side_shown = self.body.has_class("no-side")
-        self.place_side()
-
     def action_interrupt(self) -> None:
         """ctrl+c: stop the current answer; with nothing to stop, the second press quits."""
         session = self.current
@@ -381,6 +365,7 @@ class ChatApp(ThemedApp):
         reply = Message("…", "msg-assistant")
         session.view.mount(reply)
         session.view.scroll_end(animate=False)
+        session.view.anchor()  # a new question follows its answer again, even after scrolling back
         session.busy, session.stop_requested = True, False
         self.quit_armed = False
         self.show_settings()
@@ -408,10 +393,7 @@ class ChatApp(ThemedApp):
     def show_partial(self, reply: Message, text: str) -> None:
         if not reply.is_attached:  # the session was closed meanwhile
             return
-        reply.set_text(text)
-        view = reply.parent
-        if view.max_scroll_y - view.scroll_y < 4:
-            view.scroll_end(animate=False)  # follow the answer unless the user scrolled back
+        reply.set_text(text)  # the anchored transcript follows it unless the user scrolled back
 
     def finish(self, session: Session, prompt: str, reply: Message, handle: RequestHandle | None,
                error: str | None, ended: float) -> None:
@@ -429,7 +411,6 @@ class ChatApp(ThemedApp):
             session.conv.record(prompt, out.text)
             meta = answer_meta(out, ended)
             reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
-            reply.parent.scroll_end(animate=False)
         self.show_settings()
 
     # -- live panes ----------------------------------------------------------------

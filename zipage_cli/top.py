@@ -28,10 +28,9 @@ from zipage.engine.config import SamplingParams
 from zipage.engine.events import EngineSnapshot, Event, RequestInfo
 from zipage.engine.service import EngineThread
 from zipage.cli.themes import ThemedApp
-from zipage.cli.widgets import PANE_TERMS, EnginePanes, HelpScreen, PoolMap, describe_event, drain
+from zipage.cli.widgets import PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, describe_event, drain
 
 REFRESH_S = 0.25
-SIDE_MIN_WIDTH = 110  # narrower terminals start with the side panes hidden: the main pane comes first
 
 TEACH_INTRO = ("Teaching mode: the engine is paused. Press space (or n) to run exactly one engine step; "
                "these notes then explain what the scheduler and the compressor did, for the request "
@@ -258,20 +257,20 @@ def row_cells(r: RequestInfo) -> tuple:
             f"{r.tokens_per_s:.1f}")
 
 
-class TopApp(ThemedApp):
+class TopApp(SidePanes, ThemedApp):
     TITLE = "Zipage top"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]
     ENABLE_COMMAND_PALETTE = False
-    CSS = """
+    CSS = SidePanes.SIDE_CSS + """
     #left { width: 2fr; }
     #right { width: 1fr; min-width: 40; max-width: 60; }
     .pane { padding: 0 1; }
     #requests { height: 1fr; min-height: 5; }
     #pool-pane { height: auto; max-height: 50%; }
     PoolMap { height: auto; }
-    #explain-pane { height: 2fr; display: none; }
+    #explain-pane { height: auto; max-height: 50%; display: none; }
     #explain-pane.teaching { display: block; }
     #body.teaching-mode #pool-pane { max-height: 30%; }
-    #body.no-side #right { display: none; }
     #throughput { height: 8; }
     #gauges { height: 6; }
     #events { height: 1fr; }
@@ -284,8 +283,7 @@ class TopApp(ThemedApp):
         Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
         Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
         Binding("w", "latency_window", "Window", tooltip="Latency pane: switch between the 5, 15 and 60 s windows"),
-        Binding("f2", "toggle_side", "Panes", tooltip="Hide or show the side panes (hidden at first below "
-                                                         f"{SIDE_MIN_WIDTH} columns)"),
+        SidePanes.SIDE_BINDING,
         ThemedApp.THEME_BINDING,
         Binding("q,ctrl+q,ctrl+c", "quit", "Quit", tooltip="Leave"),
     ]
@@ -300,7 +298,6 @@ class TopApp(ThemedApp):
         self.stepping = False
         self.last_step: tuple | None = None  # (before, after, events) of the latest taught step
         self.last_compression: dict[int, Event] = {}  # request id -> its latest compression event
-        self.side_shown: bool | None = None  # None: decided by the terminal's width
 
     def compose(self) -> ComposeResult:
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
@@ -323,13 +320,12 @@ class TopApp(ThemedApp):
                 with self.explain_pane:
                     self.explain_pane.border_title = "Teaching mode: one step per key press"
                     yield self.explain
-            with Vertical(id="right"):
+            with Vertical(id="right", classes="side"):
                 yield from panes.compose()
         yield Footer()
 
     def on_mount(self) -> None:
         self.table.add_columns(*COLUMNS)
-        self.place_side()
         if self.start_teaching:
             self.action_teach()
         if self.load is not None:
@@ -446,17 +442,6 @@ class TopApp(ThemedApp):
         self.event_log.select(self.selected)
 
     # -- layout --------------------------------------------------------------------
-    def on_resize(self) -> None:
-        self.place_side()
-
-    def place_side(self) -> None:
-        shown = self.side_shown if self.side_shown is not None else self.size.width >= SIDE_MIN_WIDTH
-        self.body.set_class(not shown, "no-side")
-
-    def action_toggle_side(self) -> None:
-        self.side_shown = self.body.has_class("no-side")
-        self.place_side()
-
     def action_latency_window(self) -> None:
         self.latency.next_window()
 

@@ -89,8 +89,10 @@ def describe_event(event: Event) -> str:
     if event.kind == "prefilled":
         return f"prefilled {d.get('tokens')} tokens ({1000 * d.get('seconds', 0):.0f} ms)"
     if event.kind == "compressed":
-        return (f"compressed {d.get('blocks_before')}→{d.get('blocks_after')} blocks, "
-                f"−{d.get('evicted_per_layer')} tokens/layer ({1000 * d.get('seconds', 0):.1f} ms)")
+        kept, recent = d.get("tokens_after", 0), d.get("recent_kept", 0)
+        return (f"compressed {d.get('tokens_before')}→{kept} entries per layer ({min(recent, kept)} newest + "
+                f"{max(0, kept - recent)} by score), blocks {d.get('blocks_before')}→{d.get('blocks_after')} "
+                f"({1000 * d.get('seconds', 0):.1f} ms)")
     if event.kind == "preempted":
         return f"preempted after {d.get('output_tokens')} tokens: blocks freed, requeued"
     if event.kind == "error":
@@ -434,6 +436,25 @@ class EnginePanes:
         with Vertical(id="events", classes="pane") as pane:
             pane.border_title = "Engine events"
             yield self.event_log
+
+
+class SidePanes:
+    """For the apps: the container with class `side` (inside #body) hides in a terminal narrower
+    than the breakpoint, so the main pane keeps its room; F2 shows or hides it by hand."""
+
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]  # Textual sets these classes on the screen
+    SIDE_BINDING = Binding("f2", "toggle_side", "Panes",
+                           tooltip="Hide or show the side panes (hidden at first in narrow terminals)")
+    SIDE_CSS = """
+    Screen.-narrow .side { display: none; }
+    #body.side-on .side { display: block; }
+    #body.side-off .side { display: none; }
+    """
+
+    def action_toggle_side(self) -> None:
+        shown = self.query_one(".side").display
+        self.body.set_class(shown, "side-off")
+        self.body.set_class(not shown, "side-on")
 
 
 class HelpScreen(ModalScreen):
