@@ -88,15 +88,8 @@ class ChatApp(SidePanes, ThemedApp):
     #prompt { margin: 0 0; }
     #blocks { height: 1fr; }
     #blocks-view { height: auto; }
-    #throughput { height: 8; }
-    #gauges { height: 6; }
-    #events { height: 1fr; }
-    .pane { padding: 0 1; }
-    Sparkline { height: 2; }
-    HelpScreen { align: center middle; }
-    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
     """
-    ENABLE_COMMAND_PALETTE = False  # its theme picker would bypass the .tcss themes
+    ENABLE_COMMAND_PALETTE = False  # its theme picker would offer Textual's themes, which the stylesheet cannot read
     BINDINGS = [
         Binding("f1", "help", "Help", tooltip="Show keys and commands"),
         Binding("ctrl+n", "new_session", "New", tooltip="Open a new chat session"),
@@ -164,9 +157,8 @@ class ChatApp(SidePanes, ThemedApp):
         self.prompt = HistoryInput(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
                             id="prompt")
         self.block_table = BlockTable(id="blocks-view")
-        panes = EnginePanes()
-        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
-        self.latency = panes.latency
+        self.panes = EnginePanes()
+        self.event_log, self.latency = self.panes.event_log, self.panes.latency
         yield Header(icon="▣")
         self.body = Horizontal(id="body")
         with self.body:
@@ -178,7 +170,7 @@ class ChatApp(SidePanes, ThemedApp):
                 with VerticalScroll(id="blocks", classes="pane") as pane:
                     pane.border_title = "KV blocks per request"
                     yield self.block_table
-                yield from panes.compose()
+                yield self.panes
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -420,10 +412,7 @@ class ChatApp(SidePanes, ThemedApp):
             return
         snapshot = self.engine.snapshot()
         self.block_table.show(snapshot)
-        self.throughput.show(snapshot)
-        self.gauges.show(snapshot)
-        self.latency.show(snapshot)
-        self.event_log.add(drain(self.events))
+        self.panes.show(snapshot, drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
         self.sub_title = (f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "

@@ -264,19 +264,12 @@ class TopApp(SidePanes, ThemedApp):
     CSS = SidePanes.SIDE_CSS + """
     #left { width: 2fr; }
     #right { width: 1fr; min-width: 40; max-width: 60; }
-    .pane { padding: 0 1; }
     #requests { height: 1fr; min-height: 5; }
     #pool-pane { height: auto; max-height: 50%; }
     PoolMap { height: auto; }
     #explain-pane { height: auto; max-height: 50%; display: none; }
     #explain-pane.teaching { display: block; }
     #body.teaching-mode #pool-pane { max-height: 30%; }
-    #throughput { height: 8; }
-    #gauges { height: 6; }
-    #events { height: 1fr; }
-    Sparkline { height: 2; }
-    HelpScreen { align: center middle; }
-    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
     """
     BINDINGS = [
         Binding("f1,question_mark", "help", "Help", tooltip="Show keys and what the panes mean"),
@@ -305,9 +298,8 @@ class TopApp(SidePanes, ThemedApp):
         self.pool = PoolMap(id="pool")
         self.explain_pane = Vertical(id="explain-pane", classes="pane")
         self.explain = Static(TEACH_INTRO, id="explain", classes="explain")
-        panes = EnginePanes()
-        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
-        self.latency = panes.latency
+        self.panes = EnginePanes()
+        self.event_log, self.latency = self.panes.event_log, self.panes.latency
         self.body = Horizontal(id="body")
         yield Header(icon="▣")
         with self.body:
@@ -321,7 +313,7 @@ class TopApp(SidePanes, ThemedApp):
                     self.explain_pane.border_title = "Teaching mode: one step per key press"
                     yield self.explain
             with Vertical(id="right", classes="side"):
-                yield from panes.compose()
+                yield self.panes
         yield Footer()
 
     def on_mount(self) -> None:
@@ -353,12 +345,9 @@ class TopApp(SidePanes, ThemedApp):
         snapshot = self.engine.snapshot()
         self.show_requests(snapshot)
         self.pool.show(snapshot, self.selected)
-        self.throughput.show(snapshot)
-        self.gauges.show(snapshot)
-        self.latency.show(snapshot)
         events = drain(self.events)
         self.last_compression.update((e.request, e) for e in events if e.kind == "compressed")
-        self.event_log.add(events)
+        self.panes.show(snapshot, events)
         self.event_log.select(self.selected)
         mode = "TEACHING (paused)" if self.engine.paused else "live"
         load = f" · load: {self.load.submitted} sent" if self.load else ""

@@ -2,7 +2,7 @@
 throughput sparklines, gauges and the help screen.
 
 Every widget draws from `engine.events` records only (snapshots and events). Colours come from
-component classes, so the theme files (.tcss) restyle them and a theme switch repaints them.
+component classes, so the theme (zipage.themes) restyles them and a theme switch repaints them.
 """
 
 from __future__ import annotations
@@ -416,17 +416,33 @@ class LatencyView(Static):
         return text
 
 
-class EnginePanes:
-    """The panes chat and top share: throughput sparklines, pool and memory gauges, the event log."""
+class EnginePanes(Vertical):
+    """The panes chat and top share, as one widget with its own layout: throughput sparklines, pool
+    and memory gauges, latency, and the event log taking the rest of the height."""
 
-    def __init__(self):
+    DEFAULT_CSS = """
+    EnginePanes { height: 1fr; }
+    EnginePanes > #throughput { height: 8; }
+    EnginePanes > #gauges { height: 6; }
+    EnginePanes > #latency { height: auto; }
+    EnginePanes > #events { height: 1fr; }
+    EnginePanes Sparkline { height: 2; }
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.throughput = Throughput(id="throughput", classes="pane")
         self.latency = LatencyView(id="latency", classes="pane")
         self.gauges = Gauges(id="gauges", classes="pane")
         self.event_log = EventLog(id="event-log")
 
+    def show(self, snapshot: EngineSnapshot, events: list[Event]) -> None:
+        self.throughput.show(snapshot)
+        self.gauges.show(snapshot)
+        self.latency.show(snapshot)
+        self.event_log.add(events)
+
     def compose(self) -> ComposeResult:
-        """Yield the panes into the caller's compose context."""
         with self.throughput:
             self.throughput.border_title = "Throughput"
         with self.gauges:
@@ -461,6 +477,10 @@ class HelpScreen(ModalScreen):
     """The app's key bindings and any extra notes (chat's slash commands, top's teaching mode)."""
 
     BINDINGS = [Binding("escape,f1,q,question_mark", "app.pop_screen", "Close help")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen #help-box { width: 80; height: auto; max-height: 90%; padding: 1 2; }
+    """
 
     def __init__(self, title: str, bindings: list[Binding], notes: str = ""):
         super().__init__()
