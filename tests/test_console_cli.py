@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -154,6 +155,12 @@ def test_help_and_model_listing_never_import_torch():
 
 
 def test_every_engine_option_has_its_own_help_and_flags_show_no_type():
+    from dataclasses import fields
+
+    from zipage.cli.options import KNOB_HELP
+    from zipage.engine.config import EngineConfig
+
+    assert set(KNOB_HELP) == {f.name for f in fields(EngineConfig)}
     result = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "Engine knob" not in result.output
@@ -198,3 +205,21 @@ def test_plain_chat_wraps_between_words():
     assert lines == ["The quick brown fox", "jumps over the lazy", "dog.", "A", "supercalifragilistic",
                      "expialidocious end"]
     assert all(len(line) <= 20 for line in lines)
+
+
+def test_full_screen_chat_draws_then_loads_and_reports_a_bad_model():
+    term = Terminal(CLI + ["chat"] + TINY)
+    try:
+        assert term.expect(b"Zipage chat", 60), term.output[-500:]
+        assert term.expect(b"idle", 60), term.output[-500:]  # the model loaded behind the first draw
+        term.send(b"\x11")  # Ctrl+Q
+        assert term.wait(60) == 0
+    finally:
+        term.close()
+    term = Terminal(CLI + ["chat", "--model", "random:nope", "--device", "cpu"])
+    try:
+        assert term.wait(60) == 2
+        shown = " ".join(re.sub(rb"\x1b\[[0-9;?$>]*[A-Za-z]", b"", term.output).decode(errors="replace").split())
+        assert "error: unknown random preset 'random:nope'" in shown
+    finally:
+        term.close()

@@ -70,7 +70,8 @@ def engine_options(func):
         else:
             decl = [flag]
         shown = "" if default is None or typ is bool else f" [default: {default}]"
-        option = typer.Option(None, *decl, help=KNOB_HELP[f.name] + shown, rich_help_panel=ENGINE_PANEL,
+        option = typer.Option(None, *decl, help=KNOB_HELP.get(f.name, f"Engine setting {f.name}.") + shown,
+                              rich_help_panel=ENGINE_PANEL,
                               show_default=False, metavar="" if typ is bool else None)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=typing.Optional[typ]))
