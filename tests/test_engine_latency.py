@@ -109,3 +109,25 @@ def test_prefix_hits_show_in_the_hit_rate():
     last60 = window(run_twice(compression=False), 60.0)
     # 3 prompts of 41 tokens; the third finds the 2 shared blocks (32 tokens) in the cache
     assert last60.prefix_hit_rate == pytest.approx(32 / 123)
+
+
+def test_the_latency_pane_flags_a_stall_from_the_flag_or_an_old_snapshot():
+    import dataclasses
+
+    from zipage.cli.widgets import LatencyView
+    from zipage.engine.events import Latency
+
+    llm = LLM("random:llama-tiny", device="cpu", block_size=16, window=8, num_kv_blocks=64)
+    try:
+        llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+        snapshot = llm.snapshot()  # work waiting, nothing stepped yet
+    finally:
+        llm.close()
+    view = LatencyView()
+    view.show(snapshot)
+    assert view.stall_note(now=snapshot.time + 1.0) is None
+    assert view.stall_note(now=snapshot.time + STALL_S + 2.0) == f"STALLED: no news from the engine for {STALL_S + 2:.0f} s"
+    view.show(dataclasses.replace(snapshot, latency=Latency(stalled=True, since_last_step=9.0)))
+    assert view.stall_note(now=snapshot.time) == "STALLED: work waits, no step for 9 s"
+    view.show(dataclasses.replace(snapshot, waiting=0, running=0))
+    assert view.stall_note(now=snapshot.time + 100.0) is None  # an idle engine is not stalled

@@ -22,6 +22,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, Sparkline, Static
 
 from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, Latency, RequestInfo
+from zipage.engine.latency import STALL_S
 
 ROLES = ("shared", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
@@ -382,10 +383,24 @@ class LatencyView(Static):
         super().__init__(**kwargs)
         self.latency = Latency()
         self.window_index = 1  # 15 s: steadier than 5 s, fresher than 60 s
+        self.snapshot_time: float | None = None
+        self.has_work = False
 
     def show(self, snapshot: EngineSnapshot) -> None:
         self.latency = snapshot.latency
+        self.snapshot_time, self.has_work = snapshot.time, bool(snapshot.running or snapshot.waiting)
         self.refresh(layout=True)
+
+    def stall_note(self, now: float | None = None) -> str | None:
+        """Why the engine looks stalled, or None. The engine flags a stall in its snapshot; a step that
+        hangs publishes no snapshot at all, so an old snapshot with work in it counts too."""
+        now = time.time() if now is None else now
+        if self.has_work and self.snapshot_time is not None and now - self.snapshot_time > STALL_S:
+            return f"STALLED: no news from the engine for {now - self.snapshot_time:.0f} s"
+        if self.latency.stalled:
+            since = self.latency.since_last_step
+            return "STALLED: work waits, no step " + (f"for {since:.0f} s" if since is not None else "yet")
+        return None
 
     def next_window(self) -> None:
         if self.latency.windows:
@@ -409,10 +424,9 @@ class LatencyView(Static):
         hits = "-" if w.prefix_hit_rate is None else f"{100 * w.prefix_hit_rate:.0f}%"
         text.append(f"prefix hits {hits} · per s: preempt {w.preemptions_per_s:.1f}, "
                     f"abort {w.aborts_per_s:.1f}, compress {w.compressions_per_s:.1f}", dim)
-        if self.latency.stalled:
-            since = self.latency.since_last_step
-            text.append("\nSTALLED: work waits, no step " + (f"for {since:.0f} s" if since is not None else "yet"),
-                        self.get_component_rich_style("stall", partial=True))
+        stall = self.stall_note()
+        if stall:
+            text.append("\n" + stall, self.get_component_rich_style("stall", partial=True))
         return text
 
 
