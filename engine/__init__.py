@@ -1,9 +1,17 @@
 """Zipage: an LLM inference engine whose KV cache per request stays bounded."""
 
-from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.core import RequestOutput
-from zipage.engine.events import EngineSnapshot
-from zipage.engine.llm import LLM
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineSnapshot", "RequestOutput"]
+# Imported on first use (PEP 562): the command line reads the config without loading torch.
+_PUBLIC = {"LLM": "zipage.engine.llm", "SamplingParams": "zipage.engine.config",
+           "EngineConfig": "zipage.engine.config", "EngineSnapshot": "zipage.engine.events",
+           "RequestOutput": "zipage.engine.core"}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'zipage.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
 

@@ -19,6 +19,7 @@ from zipage.engine.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.geometry import CompressionGeometry
+from zipage.engine.latency import LatencyMonitor
 from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
                            MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
@@ -101,6 +102,7 @@ class EngineCore:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_SIZE)
         self.meter = ThroughputMeter()
+        self.latency = LatencyMonitor()
         self.step_count = 0
         self.num_added = 0  # requests ever added: each one's sampling stream is derived from its index
         self.event_count = 0  # events ever logged (the log itself is bounded)
@@ -176,6 +178,7 @@ class EngineCore:
             self.detokenizers[seq.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                               params.stop)
         self.scheduler.add(seq)
+        self.latency.arrived()
         self.totals["prompt_tokens"] += len(ids)
         return seq
 
@@ -205,8 +208,11 @@ class EngineCore:
             self._event("admitted", seq, prompt_tokens=seq.num_prompt_tokens,
                         cached_tokens=seq.num_cached_prefix_tokens, blocks=len(seq.block_table))
             self.totals["prefix_hit_tokens"] += seq.num_cached_prefix_tokens
+            self.latency.admitted(seq.arrival_time, seq.num_prompt_tokens, seq.num_cached_prefix_tokens,
+                                  first_time=seq.num_preemptions == 0)
         for seq in batch.preempted:
             self.totals["preemptions"] += 1
+            self.latency.count("preemptions")
             self._event("preempted", seq, output_tokens=seq.num_output_tokens)
         for seq in batch.exhausted:  # longer than the whole pool: it can never run again
             outputs.append(self._finish(seq, "length", error="the KV pool cannot hold this request any longer"))
@@ -221,6 +227,7 @@ class EngineCore:
         except Exception as e:  # a failed forward ends the requests in it, not the engine
             return outputs + [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
         self.step_count += 1
+        self.latency.stepped()
         computed = sum(batch.num_new_tokens)
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -233,6 +240,7 @@ class EngineCore:
             if token is None:
                 continue
             seq.append_token(token)
+            self.latency.token(seq.id, seq.arrival_time)
             self.totals["generated_tokens"] += 1
             out = self._after_token(seq, token)
             if out is not None:
@@ -276,6 +284,7 @@ class EngineCore:
             return [self._finish(seq, "error", error=f"compression failed: {type(job.error).__name__}: {job.error}")]
         self.compressor.apply(job)
         self.totals["compressions"] += 1
+        self.latency.count("compressions")
         self._event("compressed", seq, blocks_before=len(job.source_table), blocks_after=len(seq.block_table),
                     tokens_before=job.kv_len, tokens_after=seq.kv_len, evicted_per_layer=job.kv_len - seq.kv_len,
                     recent_kept=self.compressor.recent, times=seq.times_compressed, seconds=round(job.duration, 5))
@@ -307,6 +316,9 @@ class EngineCore:
         self.scheduler.remove(seq)
         seq.finish(reason, error)
         self.totals["finished"] += 1
+        self.latency.finished(seq.id)
+        if reason == "abort":
+            self.latency.count("aborts")
         kind = {"abort": "aborted", "error": "error"}.get(reason, "finished")
         self._event(kind, seq, reason=reason, output_tokens=seq.num_output_tokens,
                     **({"error": error} if error else {}))
@@ -377,7 +389,8 @@ class EngineCore:
             time=time.time(), step=self.step_count, model=self.source.name, device=str(self.runner.device),
             compression=self.config.compression, requests=tuple(infos), pool=pool, memory=self._memory(),
             throughput=self.meter.rates(now), events=tuple(list(self.events)[-max_events:]),
-            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), totals=dict(self.totals))
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), totals=dict(self.totals),
+            latency=self.latency.summary(self.has_work()))
 
     def _memory(self) -> MemoryInfo:
         device = self.runner.device

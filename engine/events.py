@@ -71,6 +71,37 @@ class Throughput:
 
 
 @dataclass(frozen=True)
+class Percentiles:
+    """Seconds; None when the window saw no sample."""
+
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class LatencyWindow:
+    """What the last `seconds` looked like to the users of the engine."""
+
+    seconds: float
+    ttft: Percentiles = Percentiles()  # arrival to first token
+    itl: Percentiles = Percentiles()  # between two tokens of one request
+    queue: Percentiles = Percentiles()  # arrival to admission
+    prefix_hit_rate: float | None = None  # prompt tokens served by the prefix cache / prompt tokens admitted
+    preemptions_per_s: float = 0.0
+    aborts_per_s: float = 0.0
+    compressions_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Latency:
+    windows: tuple[LatencyWindow, ...] = ()  # shortest first: 5, 15 and 60 s
+    stalled: bool = False  # work is waiting but no step has finished for a while
+    since_last_step: float | None = None  # seconds; None before the first step
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     time: float
     step: int
@@ -85,6 +116,7 @@ class EngineSnapshot:
     waiting: int
     running: int
     totals: Mapping[str, int] = field(default_factory=dict)  # lifetime counters
+    latency: Latency = Latency()
 
 
 class ThroughputMeter:

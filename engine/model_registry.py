@@ -8,9 +8,10 @@ They get a byte-level tokenizer instead: every text round-trips, whatever the vo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+if TYPE_CHECKING:  # transformers is imported where a config or tokenizer is built: listing stays fast
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ CHATML_TEMPLATE = (
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A ByteLevel BPE over the 256 bytes with no merges: token id == byte value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -119,6 +121,8 @@ def _token_ids() -> dict:
 
 def _qwen3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, tied: bool) -> Qwen3Config:
     """A Qwen3 config with the values every public Qwen3 dense model shares."""
+    from transformers import Qwen3Config
+
     return Qwen3Config(
         vocab_size=151936,
         hidden_size=hidden,
@@ -149,6 +153,8 @@ _TINY = dict(
 
 
 def _llama_tiny() -> LlamaConfig:
+    from transformers import LlamaConfig
+
     # llama3 rope scaling so the engine's scaled-rope path gets exercised.
     rope = {
         "rope_type": "llama3",
@@ -162,6 +168,8 @@ def _llama_tiny() -> LlamaConfig:
 
 
 def _qwen2_tiny() -> Qwen2Config:
+    from transformers import Qwen2Config
+
     config = Qwen2Config(
         **_TINY, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True, **_token_ids(),
@@ -172,6 +180,8 @@ def _qwen2_tiny() -> Qwen2Config:
 
 
 def _qwen3_tiny() -> Qwen3Config:
+    from transformers import Qwen3Config
+
     return Qwen3Config(
         **_TINY, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True, **_token_ids(),

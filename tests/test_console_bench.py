@@ -31,18 +31,38 @@ def test_hf_model_has_the_engine_weights(preset):
 
 
 def test_run_bench_reports_every_mode():
-    seen = []
+    seen, notes = [], []
     results = run_bench("random:llama-tiny", ["fullkv", "zipage"], num_requests=3, input_len=10, output_len=40,
-                        engine_kwargs=KNOBS, progress=lambda mode, done, total: seen.append((mode, done, total)))
+                        engine_kwargs=KNOBS, progress=lambda mode, done, total: seen.append((mode, done, total)),
+                        repeats=2, note=notes.append)
     fullkv, zipage = results["results"]
     assert (fullkv["mode"], zipage["mode"]) == ("fullkv", "zipage")
     assert fullkv["output_tokens"] == zipage["output_tokens"] == 120
+    assert len(fullkv["runs_tokens_per_s"]) == len(zipage["runs_tokens_per_s"]) == 2
+    for r in (fullkv, zipage):
+        low, high = r["spread"]
+        assert low <= r["tokens_per_s"] <= high and (low, high) == (min(r["runs_tokens_per_s"]),
+                                                                    max(r["runs_tokens_per_s"]))
     assert fullkv["ratio"] == 1.0 and zipage["ratio"] == pytest.approx(zipage["tokens_per_s"] / fullkv["tokens_per_s"])
-    assert ("zipage", 3, 3) in seen and ("fullkv", 3, 3) in seen
+    overlap = zipage["spread"][0] <= fullkv["spread"][1] and fullkv["spread"][0] <= zipage["spread"][1]
+    assert zipage["within_noise"] == overlap and not fullkv["within_noise"]
+    # The bars count generated tokens, step by step: 2 runs x 3 requests x 40 tokens per mode.
+    zipage_progress = [done for mode, done, total in seen if mode == "zipage"]
+    assert {total for _, _, total in seen} == {240} and zipage_progress[-1] == 240
+    assert zipage_progress == sorted(zipage_progress) and len(set(zipage_progress)) > 40
     # 10 + 40 tokens in blocks of 16 against a 1-block budget: at most 2 blocks under Zipage, up to 4 under full KV
     footprint = results["kv_footprint"]
     assert 1.0 < footprint["zipage_blocks"] <= 2.0 < footprint["full_kv_blocks"] <= 4.0
     assert footprint["ratio"] == pytest.approx(footprint["full_kv_blocks"] / footprint["zipage_blocks"])
+    assert results["compression_can_trigger"] and notes == []
+
+
+def test_run_bench_says_when_compression_cannot_trigger():
+    notes = []
+    results = run_bench("random:llama-tiny", ["zipage", "fullkv"], num_requests=2, input_len=10, output_len=6,
+                        engine_kwargs=KNOBS, repeats=1, note=notes.append)
+    assert not results["compression_can_trigger"] and results["kv_footprint"]["ratio"] == 1.0
+    assert len(notes) == 1 and "compression cannot trigger: 10 + 6 tokens fit in the 2 blocks of 16" in notes[0]
 
 
 def test_run_bench_rejects_bad_settings():
@@ -52,6 +72,8 @@ def test_run_bench_rejects_bad_settings():
         run_bench("random:llama-tiny", ["zipage"], 1, 1, 0)
     with pytest.raises(ValueError, match="block_size"):
         run_bench("random:llama-tiny", ["zipage"], 1, 1, 1, {"block_size": 3})
+    with pytest.raises(ValueError, match="repeats=0"):
+        run_bench("random:llama-tiny", ["zipage"], 1, 1, 1, repeats=0)
 
 
 @pytest.mark.parametrize("compression", [False, True])

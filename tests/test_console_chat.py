@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -126,8 +127,8 @@ def test_broadcast_and_session_keys(engine):
                                               for s in app.sessions.values()), what="three answers")
             answers = [s.conv.history[-1]["content"] for s in app.sessions.values()]
             assert len(set(answers)) == 1  # greedy: one prompt, one answer, in every session
-            await pilot.press("ctrl+w")
-            assert len(app.sessions) == 2
+            await pilot.press("alt+w", "y")  # a session with history asks before it closes
+            await wait_for(pilot, lambda: len(app.sessions) == 2, what="the close")
 
             await pilot.press("f1")  # the panes keep refreshing under the help screen
             await pilot.pause(3 * REFRESH_S)
@@ -188,3 +189,111 @@ def test_theme_cycle_restyles_the_screen(engine):
 def test_bad_theme_name_is_rejected(engine):
     with pytest.raises(ValueError, match="unknown theme 'neon'.*dark, light, high-contrast"):
         ChatApp(engine, theme_name="neon")
+
+
+def test_the_app_draws_first_and_loads_the_model_behind_a_progress_line():
+    import threading
+
+    gate = threading.Event()  # holds the load until the test has seen the loading screen
+
+    def start():
+        gate.wait(30)
+        return EngineThread("random:llama-tiny", **KNOBS)
+
+    async def run():
+        app = ChatApp(start, temperature=0.0, max_tokens=4, model_name="random:llama-tiny")
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause(2 * REFRESH_S)
+            assert app.engine is None and app.tabs.loading
+            assert "loading random:llama-tiny…" in str(app.settings.render())
+            await pilot.press(*"too early", "enter")  # refused with a toast, the app carries on
+            assert "still loading" in " ".join(n.message for n in app._notifications)
+            gate.set()
+            await wait_for(pilot, lambda: app.engine is not None, what="the model")
+            assert not app.tabs.loading and "idle" in str(app.settings.render())
+            await pilot.press(*"now", "enter")
+            await wait_for(pilot, lambda: len(app.current.conv.history) == 2, what="the answer")
+        app.engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_model_that_fails_to_load_ends_the_app_with_its_message():
+    async def run():
+        app = ChatApp(lambda: EngineThread("random:nope", device="cpu"))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: not app.is_running, what="the app to end")
+        assert app.return_code == 2 and "unknown random preset 'random:nope'" in app.load_error
+
+    asyncio.run(run())
+
+
+def test_help_explains_the_panes_terms_and_names_keys_plainly(engine):
+    async def run():
+        app = ChatApp(engine)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("f1")
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen)
+            from rich.console import Console
+
+            console = Console(record=True, width=100, file=open(os.devnull, "w"))
+            console.print(app.screen.query_one("#help-box Static").content)
+            shown = console.export_text()
+            for term in ("q-slots", "compressed target", "kv ", "TTFT"):
+                assert term in shown, term
+            assert "question_mark" not in shown and "ctrl+pagedown, alt+right" not in shown
+
+    asyncio.run(run())
+
+
+def test_answer_line_gives_first_token_time_and_decode_speed_apart(engine):
+    async def run():
+        app = ChatApp(engine, temperature=0.0, max_tokens=12)
+        async with app.run_test(size=(120, 36)) as pilot:
+            session = app.current
+            await pilot.press(*"hi", "enter")
+            await wait_for(pilot, lambda: not session.busy and session.view.query(".msg-meta"), what="the answer")
+            meta = str(session.view.query(".msg-meta").last().render())
+            assert meta.startswith("12 tokens · first token after ") and " s · then " in meta and "tok/s" in meta
+
+    asyncio.run(run())
+
+
+def test_newest_message_stays_in_view_after_a_resize(engine):
+    async def run():
+        app = ChatApp(engine, temperature=1.0, max_tokens=120)
+        async with app.run_test(size=(120, 24)) as pilot:
+            session = app.current
+            for i in range(5):
+                await pilot.press(*f"message {i}", "enter")
+                await wait_for(pilot, lambda: not session.busy and len(session.conv.history) == 2 * (i + 1))
+            await pilot.pause()
+            assert session.view.max_scroll_y > 0
+            await pilot.resize_terminal(70, 18)
+            await pilot.pause()
+            await pilot.pause()
+            assert session.view.scroll_y == session.view.max_scroll_y > 0
+            assert not app.query_one("#side").display  # 70 columns: the transcript gets the width
+
+    asyncio.run(run())
+
+
+def test_event_lines_are_never_cut():
+    from zipage.engine.events import Event
+
+    async def run():
+        app = ChatApp(EngineThread("random:llama-tiny", **KNOBS))
+        try:
+            async with app.run_test(size=(120, 40)) as pilot:
+                log = app.query_one(EventLog)
+                details = dict(blocks_before=9, blocks_after=9, tokens_before=288, tokens_after=256,
+                               evicted_per_layer=32, recent_kept=192, times=1, seconds=0.004)
+                log.add([Event("compressed", 7, time.time(), details)])
+                await pilot.pause()
+                shown = " ".join(str(log.render()).split())
+                assert "#7 compressed 288→256 entries per layer (192 newest + 64 by score), blocks 9→9 (4.0 ms)" in shown
+        finally:
+            app.engine.close()
+
+    asyncio.run(run())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_plain_chat_reads_piped_lines():
 def test_bench_json_has_all_three_modes(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(CLI + ["bench", "--mode", "zipage", "--mode", "fullkv", "--mode", "hf",
-                                 "--num-requests", "3", "--input-len", "12", "--output-len", "20",
+                                 "--num-requests", "3", "--input-len", "12", "--output-len", "20", "--repeats", "1",
                                  "--max-cache-blocks-per-seq", "1", "--num-kv-blocks", "32", "--json", str(out)]
                           + TINY, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -139,3 +140,86 @@ def test_every_console_command_has_help_with_examples():
         result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
         assert result.exit_code == 0
         assert "Examples" in result.output and f"zipage {command}" in result.output
+
+
+def test_help_and_model_listing_never_import_torch():
+    """The CLI module and `zipage models` stay light: torch and transformers load only for real work."""
+    probe = ("import sys; from typer.testing import CliRunner; from zipage.cli.main import app; "
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported by the CLI'; "
+             "result = CliRunner().invoke(app, ['models']); assert result.exit_code == 0, result.output; "
+             "assert 'random:llama-tiny' in result.output; "
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported by models'")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_engine_option_has_its_own_help_and_flags_show_no_type():
+    from dataclasses import fields
+
+    from zipage.cli.options import KNOB_HELP
+    from zipage.engine.config import EngineConfig
+
+    assert set(KNOB_HELP) == {f.name for f in fields(EngineConfig)}
+    result = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "Engine knob" not in result.output
+    for line in result.output.splitlines():
+        if "--raw" in line or "--stats" in line or "--compression" in line:
+            assert "<bool>" not in line, line
+
+
+def test_empty_prompt_and_bad_eval_options_are_refused():
+    runner = CliRunner()
+    for argv, message in [(["generate", ""], "the prompt is empty"),
+                          (["generate", "   "], "the prompt is empty"),
+                          (["eval", "fidelity", "--budgets", "4,x"], "--budgets '4,x'"),
+                          (["eval", "fidelity", "--num-prompts", "0"], "--num-prompts")]:
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert message in result.output, (argv, result.output)
+
+
+def test_ctrl_c_while_generate_loads_exits_quietly_with_130():
+    term = Terminal(CLI + ["generate", "hello", "--device", "cpu", "--kv-cache-gb", "0.05"])
+    try:
+        assert term.expect(b"loading", 60), term.output[-500:]
+        term.send(b"\x03")  # Ctrl+C: the terminal turns it into SIGINT for the process
+        assert term.wait(60) == 130
+        assert b"Traceback" not in term.output and b"KeyboardInterrupt" not in term.output, term.output[-800:]
+    finally:
+        term.close()
+
+
+def test_plain_chat_wraps_between_words():
+    import io
+
+    from zipage.cli.plain_chat import WordWrapper
+
+    out = io.StringIO()
+    writer = WordWrapper(out, width=20)
+    for piece in ["The quick bro", "wn fox jumps over the la", "zy dog.\nA", " supercalifragilisticexpialidocious end"]:
+        writer.write(piece)
+    writer.finish()
+    lines = out.getvalue().split("\n")
+    assert lines == ["The quick brown fox", "jumps over the lazy", "dog.", "A", "supercalifragilistic",
+                     "expialidocious end"]
+    assert all(len(line) <= 20 for line in lines)
+
+
+def test_full_screen_chat_draws_then_loads_and_reports_a_bad_model():
+    term = Terminal(CLI + ["chat"] + TINY)
+    try:
+        assert term.expect(b"Zipage chat", 60), term.output[-500:]
+        assert term.expect(b"idle", 60), term.output[-500:]  # the model loaded behind the first draw
+        term.send(b"\x11")  # Ctrl+Q
+        assert term.wait(60) == 0
+    finally:
+        term.close()
+    term = Terminal(CLI + ["chat", "--model", "random:nope", "--device", "cpu"])
+    try:
+        assert term.wait(60) == 2
+        shown = " ".join(re.sub(rb"\x1b\[[0-9;?$>]*[A-Za-z]", b"", term.output).decode(errors="replace").split())
+        assert "error: unknown random preset 'random:nope'" in shown
+    finally:
+        term.close()

@@ -55,23 +55,33 @@ def check_svg(path: Path, *needles: str) -> None:
         assert needle.replace(" ", "&#160;") in svg or needle in svg, needle
 
 
-def test_chat_screenshot(smol, out_dir):
+SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
+
+
+def name(base: str, size: str) -> str:
+    """docs/chat.svg is the large picture; the small one is docs/chat-80x24.svg."""
+    return f"{base}.svg" if size == "160x48" else f"{base}-{size}.svg"
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_chat_screenshot(smol, out_dir, size):
     async def run():
         app = ChatApp(smol, sessions=2, temperature=0.0, max_tokens=400)
-        async with app.run_test(size=(150, 44)) as pilot:
+        async with app.run_test(size=SIZES[size]) as pilot:
             first, second = app.sessions.values()
             await say(pilot, "What is the capital of France?")  # typed: the pilot waits for the answer
             await wait_for(pilot, lambda: not first.busy)
             # Asked directly, so both answers are still streaming when the picture is taken.
             app.ask(first, "Write a short story about a robot who learns to paint.")
             app.ask(second, "Write a poem about the sea.")
-            await wait_for(pilot, lambda: len(first.view.query(Message).last().text) > 400
+            await wait_for(pilot, lambda: len(first.view.query(Message).last().text) > 300
                            and len(app.query_one(BlockTable).requests) == 2)
             await pilot.pause(0.3)
-            app.save_screenshot(str(out_dir / "chat.svg"))
+            app.save_screenshot(str(out_dir / name("chat", size)))
 
     asyncio.run(run())
-    check_svg(out_dir / "chat.svg", "Paris", "KV blocks per request", "chat-2")
+    large = size == "160x48"
+    check_svg(out_dir / name("chat", size), "Paris", "chat-2", *(["KV blocks per request", "Latency"] if large else []))
 
 
 # A shared instruction, so the prompts share their first blocks through the prefix cache.
@@ -80,27 +90,34 @@ QUESTIONS = [PREAMBLE + q for q in ("Why is the sky blue?", "How do bees make ho
                                     "Why do cats purr?", "How does a rainbow form?", "Why is the sea salty?")]
 
 
-def test_top_screenshot(smol, out_dir):
+@pytest.mark.parametrize("size", list(SIZES))
+def test_top_and_teaching_screenshots(smol, out_dir, size):
     async def run():
         # Chat prompts share the template's system prefix (shared blocks); staggered arrivals put
         # requests at different stages (private blocks, compressed targets).
+        for leftover in smol.snapshot(fresh=True).requests:  # the previous picture's load, still running
+            smol.abort(leftover.id)
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         load = LoadGenerator(smol, prompt_source(smol, QUESTIONS, 0, seed=0), params, concurrency=8, rate=1.5)
         app = TopApp(smol, load)
-        async with app.run_test(size=(150, 44)) as pilot:
+        async with app.run_test(size=SIZES[size]) as pilot:
             def varied():
-                requests = smol.snapshot().requests
+                requests = smol.snapshot(fresh=True).requests
                 squeezed = sum(1 for r in requests if r.times_compressed)
                 sharing = sum(1 for r in requests if r.blocks_shared)
                 return squeezed >= 2 and sharing >= 3
             await wait_for(pilot, varied)
             app.action_teach()  # pause right away, before the moment passes
-            await pilot.press("down")
+            await pilot.pause(0.3)
+            app.save_screenshot(str(out_dir / name("top", size)))
+            compressed = [r.id for r in smol.snapshot(fresh=True).requests if r.times_compressed]
+            app.table.move_cursor(row=app.table.get_row_index(str(compressed[0])))  # follow a compressed request
             for _ in range(2):
                 await pilot.press("space")
                 await app.workers.wait_for_complete()
             await pilot.pause(0.3)
-            app.save_screenshot(str(out_dir / "top.svg"))
+            app.save_screenshot(str(out_dir / name("teach", size)))
 
     asyncio.run(run())
-    check_svg(out_dir / "top.svg", "Block pool", "decode step", "TEACHING")
+    check_svg(out_dir / name("top", size), "Block pool", "Requests")
+    check_svg(out_dir / name("teach", size), "Teaching mode", "decode step", "latest compression")

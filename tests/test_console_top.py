@@ -55,12 +55,30 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
                 await pilot.press("n")
                 await app.workers.wait_for_complete()
                 await pilot.pause()
-                if "was compressed from" in str(app.query_one("#explain").render()):
+                if "was compressed this step" in str(app.query_one("#explain").render()):
                     break
-            note = str(app.query_one("#explain").render())
-            assert "was compressed from 3 to 3 blocks" in note and "evicting" in note
-            # a budget of 32 tokens: the newest three quarters stay, scores choose the rest
-            assert "kept its newest 24 tokens and the 8 highest-scoring older ones" in note
+            note = " ".join(str(app.query_one("#explain").render()).split())
+            compressed = app.selected
+            # 48 entries (3 blocks of 16) against a budget of 32: the newest three quarters stay, scores choose the rest
+            assert (f"#{compressed} was compressed this step: every layer and KV head evicted 16 of its 48 cached "
+                    "entries and kept 32: the 24 newest, plus the 8 older ones that scored highest") in note
+            assert "block table went from 3 to 3 blocks (the same count" in note
+
+            # Another request selected: its own account shows at once, without a step.
+            step = engine.snapshot(fresh=True).step
+            await pilot.press("down")
+            await pilot.pause()
+            other = app.selected
+            note = " ".join(str(app.query_one("#explain").render()).split())
+            assert other != compressed and f"#{other} " in note and f"#{compressed} was compressed" not in note
+            assert engine.snapshot(fresh=True).step == step
+            await pilot.press("up")
+            await pilot.pause()
+            await pilot.press("space")  # a step later, the first request's compression is still explained
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            note = " ".join(str(app.query_one("#explain").render()).split())
+            assert f"#{compressed}'s latest compression (its first): every layer and KV head evicted 16" in note
 
             await pilot.press("t")  # run freely again
             assert not engine.paused
@@ -84,6 +102,61 @@ def test_live_monitor_draws_requests_and_the_pool(engine):
             grid = str(pool.render()).split("◆ shared prefix")[0]  # the map, without its legend
             assert sum(grid.count(g) for g in "■▣▶◆") == owned > 0
             assert grid.count("·") == 48 - owned - grid.count("▪")
+
+    asyncio.run(run())
+
+
+def test_pool_map_gives_every_live_request_its_own_look():
+    """More live requests than the theme has colours: the colours come round with another style."""
+    service = EngineThread("random:llama-tiny", device="cpu", block_size=16, window=8, num_kv_blocks=64)
+    try:
+        service.pause()
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        for i in range(16):
+            service.submit(list(range(1 + i, 11 + i)), params)
+        snapshot = service.step_once()
+        assert len(snapshot.requests) == 16
+
+        async def run():
+            app = TopApp(service)
+            async with app.run_test(size=(150, 45)) as pilot:
+                await pilot.pause()
+                pool = app.query_one(PoolMap)
+                pool.show(snapshot)
+                looks = {r.id: pool.owner_style(r.id) for r in snapshot.requests}
+                assert len(set(looks.values())) == 16
+                first = sorted(looks)[0]
+                assert pool.looks[first] == 0  # a request keeps its look while it lives
+                later = service.step_once()
+                pool.show(later)
+                assert pool.owner_style(first) == looks[first]
+
+        asyncio.run(run())
+    finally:
+        service.resume()
+        service.close()
+
+
+def test_side_panes_hide_in_small_terminals_and_on_f2(engine):
+    async def run():
+        app = TopApp(engine)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            assert not app.query_one("#right").display
+            assert app.query_one("#requests").size.width > 70  # the main pane takes the whole width
+            await pilot.press("f2")
+            await pilot.pause()
+            assert app.query_one("#right").display
+            await pilot.press("f2")
+            await pilot.pause()
+            assert not app.query_one("#right").display
+        app = TopApp(engine)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            assert app.query_one("#right").display
+            await pilot.press("f2")
+            await pilot.pause()
+            assert not app.query_one("#right").display
 
     asyncio.run(run())
 

@@ -4,8 +4,23 @@ The folders `engine/`, `kernels/`, `zipage_cli/` and `themes/` of the source tre
 `zipage.engine`, `zipage.kernels`, `zipage.cli` and `zipage.themes`, so no generic top-level name
 (`kernels`, `themes`) is claimed in a user's environment."""
 
-from zipage.engine import LLM, EngineConfig, EngineSnapshot, RequestOutput, SamplingParams
-from zipage.engine.service import EngineThread
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineThread", "EngineSnapshot", "RequestOutput"]
+# Where each public name lives; imported on first use (PEP 562), so that `zipage --help` and
+# `zipage models` never pay for importing torch and transformers.
+_PUBLIC = {"LLM": "zipage.engine.llm", "SamplingParams": "zipage.engine.config",
+           "EngineConfig": "zipage.engine.config", "EngineThread": "zipage.engine.service",
+           "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core"}
+
+__all__ = list(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'zipage' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

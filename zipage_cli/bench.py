@@ -7,6 +7,7 @@ batching, on the same weights and the same random-token prompts (greedy, fixed o
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from typing import Callable
 
@@ -18,8 +19,9 @@ from zipage.engine.loader import resolve_model
 
 MODES = ("zipage", "fullkv", "hf")
 SNAPSHOT_EVERY_S = 0.1  # how often a run samples the running-request count
+WARMUP_OUTPUT_TOKENS = 8  # the warm-up run: every request of the workload, this many tokens each
 
-# progress(mode, requests finished, requests total)
+# progress(mode, tokens generated so far, tokens the mode generates in all its timed runs)
 Progress = Callable[[str, int, int], None]
 
 
@@ -29,41 +31,109 @@ def random_prompts(vocab_size: int, num_requests: int, input_len: int, seed: int
 
 
 def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, output_len: int,
-              engine_kwargs: dict | None = None, progress: Progress | None = None) -> dict:
-    """Run each mode in turn on the same prompts; returns the settings and one result per mode
-    (`tokens_per_s`, `seconds`, `output_tokens`, `peak_concurrency`, `ratio` to the first mode)."""
+              engine_kwargs: dict | None = None, progress: Progress | None = None, repeats: int = 3,
+              note: Callable[[str], None] | None = None) -> dict:
+    """Load every mode once, warm each up, then time `repeats` rounds; each round gives every mode the
+    same fresh prompts, in an order that rotates from round to round (so drift in the machine's speed
+    falls on every mode alike). Returns the settings and one result per mode: the median
+    `tokens_per_s` and `seconds`, every run's figure, `output_tokens` per run, `peak_concurrency`,
+    `ratio` of medians to the first mode and `within_noise` (the runs of the two modes overlap).
+    `note` hears, before anything runs, when compression cannot trigger on this workload."""
     engine_kwargs = dict(engine_kwargs or {})
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if not modes:
         raise ValueError("give at least one mode")
-    for name, value in (("num_requests", num_requests), ("input_len", input_len), ("output_len", output_len)):
+    for name, value in (("num_requests", num_requests), ("input_len", input_len), ("output_len", output_len),
+                        ("repeats", repeats)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
     engine_kwargs.pop("model", None)
     engine_kwargs.pop("compression", None)  # the mode decides
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # validates the knobs before any load
+    block_size = _block_size(config)
+    footprint = kv_footprint([input_len] * num_requests, [output_len] * num_requests, block_size,
+                             config.max_cache_blocks_per_seq)
+    if note is not None and "zipage" in modes and footprint["ratio"] == 1.0:
+        note(f"compression cannot trigger: {input_len} + {output_len} tokens fit in the "
+             f"{config.max_cache_blocks_per_seq + 1} blocks of {block_size} a request may hold, so zipage "
+             "and fullkv do identical work here; raise --output-len or lower --max-cache-blocks-per-seq "
+             "to see compression")
     vocab = resolve_model(model).hf_config.vocab_size
-    prompts = random_prompts(vocab, num_requests, input_len, config.seed)
-    results = []
-    for mode in modes:
-        report = (lambda done, m=mode: progress(m, done, num_requests)) if progress else (lambda done: None)
-        if mode == "hf":
-            result = _run_hf(config, prompts, output_len, report)
-        else:
-            result = _run_engine(model, engine_kwargs, mode == "zipage", prompts, output_len, report)
-        result["mode"] = mode
-        results.append(result)
-        _release_memory()  # the next mode sizes its KV pool from the memory left free
-    base = results[0]["tokens_per_s"]
+    runners = _load(model, modes, config, engine_kwargs)
+    try:
+        warmup = random_prompts(vocab, num_requests, input_len, config.seed + repeats + 1)
+        for mode in modes:  # first-call costs (allocation, lazy init, graph capture) stay out of the timing
+            runners[mode](warmup, min(output_len, WARMUP_OUTPUT_TOKENS), lambda tokens: None)
+        runs = {mode: [] for mode in modes}
+        total = num_requests * output_len * repeats
+        for round_ in range(repeats):
+            # Fresh prompts each round: a repeat must not find the last round's prompts in the prefix cache.
+            prompts = random_prompts(vocab, num_requests, input_len, config.seed + round_)
+            for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+                before = sum(r["output_tokens"] for r in runs[mode])
+                report = ((lambda tokens, m=mode, b=before: progress(m, b + tokens, total))
+                          if progress else (lambda tokens: None))
+                runs[mode].append(runners[mode](prompts, output_len, report))
+    finally:
+        for runner in runners.values():
+            getattr(runner, "close", lambda: None)()
+        _release_memory()
+    results = [_summary(mode, runs[mode]) for mode in modes]
+    base = results[0]
     for r in results:
-        r["ratio"] = r["tokens_per_s"] / base if base else None
-    block_sizes = [r["block_size"] for r in results if r.get("block_size")]
-    footprint = (kv_footprint([input_len] * num_requests, [output_len] * num_requests, block_sizes[0],
-                              config.max_cache_blocks_per_seq) if block_sizes else None)
+        r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        r["within_noise"] = (r is not base and r["spread"][0] <= base["spread"][1]
+                             and base["spread"][0] <= r["spread"][1])
     return {"model": model, "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-            "device": results[0].get("device"), "results": results, "kv_footprint": footprint}
+            "repeats": repeats, "device": results[0].get("device"), "results": results,
+            "kv_footprint": footprint, "compression_can_trigger": footprint["ratio"] != 1.0}
+
+
+def _summary(mode: str, runs: list[dict]) -> dict:
+    rates = [r["tokens_per_s"] for r in runs]
+    peaks = [r["peak_concurrency"] for r in runs if r["peak_concurrency"] is not None]
+    return {"mode": mode, "tokens_per_s": statistics.median(rates), "spread": (min(rates), max(rates)),
+            "runs_tokens_per_s": rates, "seconds": statistics.median(r["seconds"] for r in runs),
+            "output_tokens": runs[-1]["output_tokens"],
+            "peak_concurrency": max(peaks) if peaks else None,
+            "device": runs[0]["device"]}
+
+
+def _device_type(config: EngineConfig) -> str:
+    from zipage.engine.model_runner import resolve_device
+
+    return resolve_device(config.device).type
+
+
+def _block_size(config: EngineConfig) -> int:
+    """The engine's block size for this config (its default depends on the device)."""
+    return config.block_size or (256 if _device_type(config) == "cuda" else 32)
+
+
+def _load(model: str, modes: list[str], config: EngineConfig, engine_kwargs: dict) -> dict:
+    """One runner per mode, all loaded at once so that the timed runs can interleave. Every mode gets
+    one pool size: the first engine's, unless the user sized the pool."""
+    explicit_pool = config.num_kv_blocks is not None or config.kv_cache_gb is not None
+    engines = [m for m in modes if m != "hf"]
+    if len(modes) > 1 and not explicit_pool and _device_type(config) == "cuda":
+        raise ValueError("on a GPU, size the KV pool with --num-kv-blocks or --kv-cache-gb: bench keeps every "
+                         "mode loaded at once, and each would otherwise claim most of the GPU's memory")
+    runners, kwargs = {}, dict(engine_kwargs)
+    try:
+        for mode in engines:
+            runner = EngineRunner(model, kwargs, compression=mode == "zipage")
+            runners[mode] = runner
+            if not explicit_pool:
+                kwargs["num_kv_blocks"] = runner.llm.engine.runner.num_blocks
+        if "hf" in modes:
+            runners["hf"] = HFRunner(config)
+    except BaseException:
+        for runner in runners.values():
+            getattr(runner, "close", lambda: None)()
+        raise
+    return runners
 
 
 def kv_footprint(prompt_lens: list[int], output_lens: list[int], block_size: int, budget_blocks: int) -> dict:
@@ -93,33 +163,35 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _run_engine(model: str, engine_kwargs: dict, compression: bool, prompts: list[list[int]], output_len: int,
-                report: Callable[[int], None]) -> dict:
-    """Drive the engine step by step (rather than `LLM.generate`) to sample progress and the number of
-    running requests between steps."""
-    llm = LLM(model, compression=compression, **engine_kwargs)
-    try:
+class EngineRunner:
+    """The engine in one mode, driven step by step (rather than `LLM.generate`) to count generated
+    tokens as they come and to sample the number of running requests between steps."""
+
+    def __init__(self, model: str, engine_kwargs: dict, compression: bool):
+        self.llm = LLM(model, compression=compression, **engine_kwargs)
+
+    def __call__(self, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
+        engine = self.llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        first = engine.totals["generated_tokens"]
         start = time.perf_counter()
         for p in prompts:
-            llm.engine.add_request(p, params)
-        done, tokens, peak, sampled = 0, 0, 0, 0.0
-        while llm.engine.has_work():
-            for out in llm.engine.step():
+            engine.add_request(p, params)
+        tokens, peak, sampled = 0, 0, 0.0
+        while engine.has_work():
+            for out in engine.step():
                 if out.finished:
-                    done += 1
                     tokens += len(out.token_ids)
-                    report(done)
+            report(engine.totals["generated_tokens"] - first)
             if time.perf_counter() - sampled >= SNAPSHOT_EVERY_S:
                 sampled = time.perf_counter()
-                peak = max(peak, llm.snapshot().running)
+                peak = max(peak, len(engine.scheduler.running))
         seconds = time.perf_counter() - start
-        device = llm.snapshot().device
-        block_size = llm.engine.block_size
-    finally:
-        llm.close()
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "peak_concurrency": peak, "device": device, "block_size": block_size}
+        return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                "peak_concurrency": peak, "device": str(engine.runner.device)}
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def hf_model(config: EngineConfig):
@@ -183,7 +255,7 @@ def hf_batching_config(config: EngineConfig, model):
     hf = model.config
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * model.dtype.itemsize
     if config.num_kv_blocks is not None:
-        block_size = config.block_size or (256 if model.device.type == "cuda" else 32)
+        block_size = _block_size(config)
         budget = config.num_kv_blocks * block_size * per_token
     elif config.kv_cache_gb is not None:
         budget = int(config.kv_cache_gb * (1 << 30))
@@ -192,27 +264,38 @@ def hf_batching_config(config: EngineConfig, model):
     else:
         return ContinuousBatchingConfig(max_memory_percent=config.memory_utilization)
     page_size = ContinuousBatchingConfig().page_size
-    return ContinuousBatchingConfig(num_blocks=max(1, budget // (page_size * per_token)))
+    # The engine's prefill token budget too: left alone, transformers sizes its batch from the pool
+    # and can ask for more memory than the machine has.
+    return ContinuousBatchingConfig(num_blocks=max(1, budget // (page_size * per_token)),
+                                    max_batch_tokens=config.max_num_batched_tokens)
 
 
-def _run_hf(config: EngineConfig, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
-    from transformers import GenerationConfig
+class HFRunner:
+    """transformers' continuous batching on the engine's weights. It reports progress only when a
+    whole run ends: `generate_batch` returns everything at once."""
 
-    model = hf_model(config)
-    generation = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
-    report(0)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        # warmup captures CUDA graphs; on a CPU it only costs time
-        outputs = model.generate_batch(inputs=prompts, generation_config=generation,
-                                       continuous_batching_config=hf_batching_config(config, model),
-                                       warmup=model.device.type == "cuda")
-    seconds = time.perf_counter() - start
-    report(len(outputs))
-    tokens = sum(len(o.generated_tokens) for o in outputs.values())
-    failed = [o.error for o in outputs.values() if o.error]
-    if failed or len(outputs) != len(prompts):
-        raise RuntimeError(f"transformers generate_batch failed for {len(prompts) - len(outputs) + len(failed)} "
-                           f"requests: {failed[:1]}")
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "peak_concurrency": None, "device": str(model.device)}
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = hf_model(config)
+
+    def __call__(self, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
+        from transformers import GenerationConfig
+
+        model = self.model
+        generation = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            # warmup captures CUDA graphs; on a CPU it only costs time
+            outputs = model.generate_batch(inputs=prompts, generation_config=generation,
+                                           continuous_batching_config=hf_batching_config(self.config, model),
+                                           warmup=model.device.type == "cuda")
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        report(tokens)
+        failed = [o.error for o in outputs.values() if o.error]
+        if failed or len(outputs) != len(prompts):
+            raise RuntimeError(f"transformers generate_batch failed for "
+                               f"{len(prompts) - len(outputs) + len(failed)} requests: {failed[:1]} "
+                               "(a smaller pool, --num-kv-blocks or --kv-cache-gb, may fit)")
+        return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                "peak_concurrency": None, "device": str(model.device)}

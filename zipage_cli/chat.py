@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -20,9 +21,12 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 from zipage.engine.service import EngineThread, RequestHandle
 from zipage.cli.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.themes import ThemedApp, theme_names
-from zipage.cli.widgets import BlockTable, EnginePanes, HelpScreen, drain, printable, session_name_widget_id
+from zipage.cli.history_input import HistoryInput
+from zipage.cli.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, SidePanes, drain,
+                                printable, session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
+
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
 FINISH_LABELS = {"stop": "finished", "length": "reached max tokens", "abort": "stopped"}
 
@@ -41,6 +45,23 @@ class Session:
     stop_requested: bool = False
 
 
+def answer_meta(out, ended: float) -> str:
+    """The line under an answer: tokens, time to first token (queueing and prefill) and decode speed
+    apart, how it ended, and compression."""
+    tokens = len(out.token_ids)
+    parts = [f"{tokens} token{'s' if tokens != 1 else ''}"]
+    first, arrival = out.metrics.get("first_token"), out.metrics.get("arrival")
+    if first is not None and arrival is not None:
+        parts.append(f"first token after {first - arrival:.2f} s")
+        if tokens > 1 and ended > first:
+            parts.append(f"then {(tokens - 1) / (ended - first):.1f} tok/s")
+    parts.append(FINISH_LABELS.get(out.finish_reason, out.finish_reason))
+    squeezed = out.metrics.get("times_compressed", 0)
+    if squeezed:
+        parts.append(f"KV compressed {squeezed}×")
+    return " · ".join(parts)
+
+
 class Message(Static):
     """One turn. An answer is redrawn as its text streams in."""
 
@@ -53,9 +74,9 @@ class Message(Static):
         self.update(Text(printable(text)))
 
 
-class ChatApp(ThemedApp):
+class ChatApp(SidePanes, ThemedApp):
     TITLE = "Zipage chat"
-    CSS = """
+    CSS = SidePanes.SIDE_CSS + """
     #main { width: 2fr; }
     #side { width: 1fr; min-width: 40; max-width: 64; }
     TabbedContent { height: 1fr; }
@@ -67,71 +88,104 @@ class ChatApp(ThemedApp):
     #prompt { margin: 0 0; }
     #blocks { height: 1fr; }
     #blocks-view { height: auto; }
-    #throughput { height: 8; }
-    #gauges { height: 6; }
-    #events { height: 1fr; }
-    .pane { padding: 0 1; }
-    Sparkline { height: 2; }
-    HelpScreen { align: center middle; }
-    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
     """
-    ENABLE_COMMAND_PALETTE = False  # its theme picker would bypass the .tcss themes
+    ENABLE_COMMAND_PALETTE = False  # its theme picker would offer Textual's themes, which the stylesheet cannot read
     BINDINGS = [
         Binding("f1", "help", "Help", tooltip="Show keys and commands"),
         Binding("ctrl+n", "new_session", "New", tooltip="Open a new chat session"),
-        # Input binds ctrl+w (delete word) too; the session key wins.
-        Binding("ctrl+w", "close_session", "Close", priority=True, tooltip="Close this session"),
+        # Not ctrl+w: the message box keeps it for deleting a word, as terminals do.
+        Binding("alt+w", "close_session", "Close", tooltip="Close this session (asks first when it has history)"),
         Binding("ctrl+pagedown,alt+right", "next_session", "Next", tooltip="Switch to the next session"),
         Binding("ctrl+pageup,alt+left", "previous_session", "Previous", show=False,
                 tooltip="Switch to the previous session"),
         Binding("ctrl+b", "broadcast", "Send to all", tooltip="Send the typed message to every idle session"),
         Binding("escape", "stop", "Stop answer", tooltip="Stop this session's running answer"),
+        # Priority: the message box would take ctrl+c for copy.
+        Binding("ctrl+c", "interrupt", "Stop/quit", show=False, priority=True,
+                tooltip="Stop the running answer; with none running, press twice to quit"),
         ThemedApp.THEME_BINDING,
+        SidePanes.SIDE_BINDING,
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
-    def __init__(self, engine: EngineThread, theme_name: str = "dark", sessions: int = 1,
-                 temperature: float = 0.7, max_tokens: int = 512, system: str | None = None):
+    def __init__(self, engine: EngineThread | Callable[[], EngineThread], theme_name: str = "dark",
+                 sessions: int = 1, temperature: float = 0.7, max_tokens: int = 512, system: str | None = None,
+                 model_name: str = "the model"):
+        """`engine` is a running engine, or a function that starts one: the app then draws first and
+        calls it in a worker thread, showing progress while the model loads."""
         super().__init__(theme_name)
-        self.engine = engine
+        self.engine: EngineThread | None = None
+        self.start_engine = engine if callable(engine) else None
+        self.model_name = model_name
+        self.load_started = time.monotonic()
+        self.load_error: str | None = None
         self.defaults = dict(temperature=temperature, max_tokens=max_tokens, system=system)
         self.initial_sessions = max(1, sessions)
         self.sessions: dict[str, Session] = {}  # by pane id
-        self.events: queue.Queue = engine.subscribe()
+        self.events: queue.Queue | None = None
         self.counter = 0
+        self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
+        if self.start_engine is None:
+            self.engine_ready(engine)
+
+    def engine_ready(self, engine: EngineThread) -> None:
+        self.engine = engine
+        self.events = engine.subscribe()
         self.sub_title = f"{engine.config.model} · {engine.snapshot().device}"
+        if self.is_running:  # loaded by the worker, after the first draw
+            self.tabs.loading = False
+            self.show_settings()
+
+    def load_engine(self) -> None:
+        """Worker thread: start the engine; a bad model or knob ends the app with its message."""
+        try:
+            engine = self.start_engine()
+        except ValueError as e:
+            self.load_error = str(e)
+            self.call_from_thread(self.exit, None, 2)
+            return
+        if not self.is_running:  # the user left while the model loaded
+            engine.close()
+            return
+        self.call_from_thread(self.engine_ready, engine)
 
     # -- layout --------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
         self.tabs = TabbedContent(id="tabs")
         self.settings = Static(id="settings", classes="settings")
-        self.prompt = Input(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
+        self.prompt = HistoryInput(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
                             id="prompt")
         self.block_table = BlockTable(id="blocks-view")
-        panes = EnginePanes()
-        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
+        self.panes = EnginePanes()
+        self.event_log, self.latency = self.panes.event_log, self.panes.latency
         yield Header(icon="▣")
-        with Horizontal():
+        self.body = Horizontal(id="body")
+        with self.body:
             with Vertical(id="main"):
                 yield self.tabs
                 yield self.settings
                 yield self.prompt
-            with Vertical(id="side"):
+            with Vertical(id="side", classes="side"):
                 with VerticalScroll(id="blocks", classes="pane") as pane:
                     pane.border_title = "KV blocks per request"
                     yield self.block_table
-                yield from panes.compose()
+                yield self.panes
         yield Footer()
 
     async def on_mount(self) -> None:
         for _ in range(self.initial_sessions):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
+        if self.engine is None:
+            self.tabs.loading = True  # an animated indicator over the transcript while the model loads
+            self.run_worker(self.load_engine, thread=True, group="load")
         self.set_interval(REFRESH_S, self.refresh_panes)
         self.prompt.focus()
 
     def on_unmount(self) -> None:
+        if self.engine is None:
+            return
         for session in self.sessions.values():
             if session.handle is not None:
                 self.engine.abort(session.handle)
@@ -149,6 +203,7 @@ class ChatApp(ThemedApp):
         if pane_id in self.sessions:
             raise ValueError(f"a session named {name!r} is already open")
         session = Session(Conversation(name, **self.defaults), VerticalScroll(classes="transcript"))
+        session.view.anchor()  # the newest message stays in view (through resizes too) until the user scrolls back
         self.sessions[pane_id] = session
         await self.tabs.add_pane(TabPane(name, session.view, id=pane_id))
         self.tabs.active = pane_id
@@ -158,8 +213,26 @@ class ChatApp(ThemedApp):
     async def action_new_session(self) -> None:
         await self.open_session()
 
-    async def action_close_session(self) -> None:
+    def action_close_session(self) -> None:
+        """Close the current session; one with history or a running answer asks first."""
         pane_id = self.tabs.active
+        session = self.sessions.get(pane_id)
+        if session is None:
+            return
+        turns = len(session.conv.history) // 2
+        if not turns and not session.busy:
+            self.run_worker(self.close_session(pane_id))
+            return
+        lost = [f"{turns} turn{'s' if turns != 1 else ''}"] if turns else []
+        lost += ["its running answer"] if session.busy else []
+        question = f"Close {session.conv.name}? Its {' and '.join(lost)} will be lost."
+
+        async def answered(yes: bool | None) -> None:
+            if yes:
+                await self.close_session(pane_id)
+        self.push_screen(ConfirmScreen(question), answered)
+
+    async def close_session(self, pane_id: str) -> None:
         session = self.sessions.pop(pane_id, None)
         if session is None:
             return
@@ -186,6 +259,10 @@ class ChatApp(ThemedApp):
         session = self.current
         if session is None:
             return
+        if self.engine is None:
+            seconds = time.monotonic() - self.load_started
+            self.settings.update(f"loading {self.model_name}… {seconds:.0f} s (the first run downloads it)")
+            return
         state = "answering… (Esc stops)" if session.busy else "idle"
         self.settings.update(f"{session.conv.name}: {state} · {session.conv.settings_line()}")
 
@@ -193,6 +270,7 @@ class ChatApp(ThemedApp):
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         line = event.value.strip()
         event.input.value = ""
+        self.prompt.remember(line)
         if line:
             await self.run_line(line)
 
@@ -208,7 +286,7 @@ class ChatApp(ThemedApp):
             elif command == "/new":
                 await self.open_session(arg or None)
             elif command == "/close":
-                await self.action_close_session()
+                self.action_close_session()
             elif command == "/theme":
                 self.apply_theme(arg) if arg else self.action_cycle_theme()
             elif command == "/help":
@@ -223,8 +301,14 @@ class ChatApp(ThemedApp):
             self.notify(str(e), severity="error")
 
     def action_broadcast(self) -> None:
-        text, self.prompt.value = self.prompt.value.strip(), ""
-        self.broadcast(text)
+        text = self.prompt.value.strip()
+        try:
+            self.broadcast(text)
+        except ValueError as e:  # nothing typed, or nobody idle: say so, keep the text
+            self.notify(str(e), severity="error")
+            return
+        self.prompt.remember(text)
+        self.prompt.value = ""
 
     def broadcast(self, text: str) -> None:
         if not text:
@@ -242,30 +326,50 @@ class ChatApp(ThemedApp):
             if session.handle is not None:
                 self.engine.abort(session.handle)
 
+    def action_interrupt(self) -> None:
+        """ctrl+c: stop the current answer; with nothing to stop, the second press quits."""
+        session = self.current
+        if session is not None and session.busy:
+            self.action_stop()
+            self.notify(f"{session.conv.name}: answer stopped", timeout=2)
+        elif self.quit_armed:
+            self.exit()
+        else:
+            self.quit_armed = True
+            self.notify("press Ctrl+C again to quit (Ctrl+Q quits at once)", timeout=4)
+
+    def on_input_changed(self) -> None:
+        self.quit_armed = False  # typing in between starts the count again
+
     def action_help(self) -> None:
-        notes = "Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
+        notes = ("Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
+                 + "\n\nThe side panes: each request's KV blocks (glyph = role), throughput, the pool and "
+                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS)
         self.push_screen(HelpScreen("Zipage chat: keys", self.BINDINGS, notes))
 
     # -- answering -----------------------------------------------------------------
     def ask(self, session: Session, prompt: str) -> None:
+        if self.engine is None:
+            raise ValueError(f"{self.model_name} is still loading; send the message once it is ready")
         if session.busy:
             raise ValueError(f"{session.conv.name} is still answering; Esc stops it")
         session.view.mount(Message(prompt, "msg-user"))
         reply = Message("…", "msg-assistant")
         session.view.mount(reply)
         session.view.scroll_end(animate=False)
+        session.view.anchor()  # a new question follows its answer again, even after scrolling back
         session.busy, session.stop_requested = True, False
+        self.quit_armed = False
         self.show_settings()
         self.run_worker(lambda: self.stream(session, prompt, reply), thread=True, group="answers")
 
     def stream(self, session: Session, prompt: str, reply: Message) -> None:
         """Worker thread: submit, then push the growing text to the UI a few dozen times a second."""
-        start = time.monotonic()
         try:
             handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
                                         session=session.conv.name)
         except (ValueError, RuntimeError) as e:
-            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), start)
+            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), time.monotonic())
             return
         session.handle = handle
         if session.stop_requested:  # Esc arrived while the submit was in flight
@@ -276,18 +380,15 @@ class ChatApp(ThemedApp):
             if time.monotonic() - drawn >= STREAM_REDRAW_S:
                 drawn = time.monotonic()
                 self.call_from_thread(self.show_partial, reply, text)
-        self.call_from_thread(self.finish, session, prompt, reply, handle, None, start)
+        self.call_from_thread(self.finish, session, prompt, reply, handle, None, time.monotonic())
 
     def show_partial(self, reply: Message, text: str) -> None:
         if not reply.is_attached:  # the session was closed meanwhile
             return
-        reply.set_text(text)
-        view = reply.parent
-        if view.max_scroll_y - view.scroll_y < 4:
-            view.scroll_end(animate=False)  # follow the answer unless the user scrolled back
+        reply.set_text(text)  # the anchored transcript follows it unless the user scrolled back
 
     def finish(self, session: Session, prompt: str, reply: Message, handle: RequestHandle | None,
-               error: str | None, start: float) -> None:
+               error: str | None, ended: float) -> None:
         session.busy, session.handle = False, None
         out = handle.result() if handle is not None else None
         if out is not None and out.finish_reason == "error":
@@ -300,22 +401,18 @@ class ChatApp(ThemedApp):
         else:
             reply.set_text(out.text or "(empty answer)")
             session.conv.record(prompt, out.text)
-            seconds = time.monotonic() - start
-            squeezed = out.metrics.get("times_compressed", 0)
-            meta = (f"{len(out.token_ids)} tokens · {len(out.token_ids) / seconds:.1f} tok/s · "
-                    f"{FINISH_LABELS.get(out.finish_reason, out.finish_reason)}"
-                    + (f" · KV compressed {squeezed}×" if squeezed else ""))
+            meta = answer_meta(out, ended)
             reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
-            reply.parent.scroll_end(animate=False)
         self.show_settings()
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
+        if self.engine is None:
+            self.show_settings()  # the loading time ticks
+            return
         snapshot = self.engine.snapshot()
         self.block_table.show(snapshot)
-        self.throughput.show(snapshot)
-        self.gauges.show(snapshot)
-        self.event_log.add(drain(self.events))
+        self.panes.show(snapshot, drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
         self.sub_title = (f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "

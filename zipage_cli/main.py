@@ -33,16 +33,16 @@ def generate(
     min_p: float = typer.Option(0.0, help="Drop tokens below min_p times the top probability."),
     repetition_penalty: float = typer.Option(1.0, help="Penalty for tokens already in the context."),
     sample_seed: int = typer.Option(None, "--sample-seed", help="Seed for this request's sampling."),
-    raw: bool = typer.Option(False, help="Send the prompt as is, without the model's chat template."),
+    raw: bool = typer.Option(False, "--raw", metavar="",
+                             help="Send the prompt as is, without the model's chat template."),
     system: str = typer.Option(None, help="A system message for the chat template."),
-    stats: bool = typer.Option(False, help="Print tokens, time and throughput to stderr at the end."),
+    stats: bool = typer.Option(False, "--stats", metavar="", help="Print tokens, time and throughput to stderr at the end."),
     engine_kwargs: dict = None,
 ):
     """Stream the model's answer to a prompt to standard output."""
     import time
 
     from zipage.engine.config import SamplingParams
-    from zipage.engine.service import EngineThread
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -54,14 +54,17 @@ def generate(
         except UnicodeDecodeError as e:
             err.print(f"[red]error:[/] standard input is not valid UTF-8: {e}")
             raise typer.Exit(2)
+    if not prompt.strip():
+        err.print("[red]error:[/] the prompt is empty; give some text to answer")
+        raise typer.Exit(2)
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed)
-        with err.status("loading model..."):
-            service = EngineThread(**engine_kwargs)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
+    service = _load_engine(engine_kwargs)
+    handle = None
     try:
         messages = None
         if not raw and getattr(service.tokenizer, "chat_template", None):
@@ -85,7 +88,8 @@ def generate(
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
     except KeyboardInterrupt:
-        service.abort(handle)
+        if handle is not None:
+            service.abort(handle)
         raise typer.Exit(130)
     finally:
         service.close()
@@ -100,7 +104,7 @@ def models():
     table.add_column("name", style="bold")
     table.add_column("kind")
     table.add_column("available offline")
-    table.add_column("description / path")
+    table.add_column("description / path", overflow="fold")  # a path wraps whole, never cut
     for row in list_models():
         offline = row.get("available")
         table.add_row(row["name"], row.get("kind", ""), "yes" if offline else ("-" if offline is None else "no"),
@@ -116,7 +120,7 @@ app.add_typer(eval_app, name="eval")
                                      "  zipage eval fidelity --num-prompts 4 --tokens 256 --budgets 4,8 --json f.json")
 def eval_fidelity(
     model: str = typer.Option("smollm2-135m", help="Model to evaluate."),
-    num_prompts: int = typer.Option(16, help="Prompts (up to 16 built in)."),
+    num_prompts: int = typer.Option(16, min=1, help="Prompts (up to 16 built in)."),
     tokens: int = typer.Option(1024, help="Greedy tokens generated per prompt by full KV."),
     budgets: str = typer.Option("4,8,16", help="Block budgets to test, comma-separated."),
     block_size: int = typer.Option(32, help="Tokens per block."),
@@ -133,8 +137,8 @@ def eval_fidelity(
 
     from zipage.cli import fidelity
 
+    budget_list = _whole_numbers(budgets, "--budgets")
     try:
-        budget_list = [int(b) for b in budgets.split(",")]
         results = fidelity.run(model, num_prompts, tokens, budget_list, block_size, window, device,
                                progress=lambda line: err.print(line),
                                configurations=configurations.split(";") if configurations else None,
@@ -149,16 +153,47 @@ def eval_fidelity(
 
 
 
-def _load_engine(engine_kwargs: dict):
-    """Start the engine behind a spinner; bad knobs or models exit with status 2."""
-    from zipage.engine.service import EngineThread
+def _whole_numbers(text: str, option: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16]; anything else exits with status 2, naming the option."""
+    try:
+        numbers = [int(part) for part in text.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        err.print(f"[red]error:[/] {option} {text!r}: expected positive whole numbers separated by commas, "
+                  "e.g. 4,8,16")
+        raise typer.Exit(2)
+    return numbers
 
+
+def _load_engine(engine_kwargs: dict):
+    """Start the engine behind a spinner; bad knobs or models exit with status 2, Ctrl+C with 130."""
+    import signal
+
+    interrupted = []
+
+    def on_interrupt(signum, frame):
+        # Remembered as well as raised: an import deep inside the load may swallow the exception.
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
-            return EngineThread(**engine_kwargs)
+            from zipage.engine.service import EngineThread
+
+            engine = EngineThread(**engine_kwargs)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
+    except KeyboardInterrupt:  # quietly, as once the answer streams
+        raise typer.Exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        engine.close()
+        raise typer.Exit(130)
+    return engine
 
 
 def _attach(url: str, api_key: str | None, engine_kwargs: dict):
@@ -197,11 +232,11 @@ def _check_theme(theme: str) -> None:
                     "  zipage chat --plain --max-tokens 128\n\n"
                     "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
                     "  zipage chat --attach http://127.0.0.1:8000   (chat with a running zipage serve)\n\n"
-                    "Keys: Ctrl+N new session, Ctrl+W close, Alt+←/→ switch, Ctrl+B send to all sessions, "
-                    "Esc stop the answer, Ctrl+T theme, F1 help, Ctrl+Q quit.")
+                    "Keys: Ctrl+N new session, Alt+W close, Alt+←/→ switch, ↑/↓ earlier messages, "
+                    "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
 def chat(
-    plain: bool = typer.Option(False, help="Line-mode chat instead of the full-screen app (also used when "
+    plain: bool = typer.Option(False, "--plain", metavar="", help="Line-mode chat instead of the full-screen app (also used when "
                                            "standard input or output is not a terminal)."),
     sessions: int = typer.Option(1, min=1, max=16, help="Chat sessions to open at start."),
     temperature: float = typer.Option(0.7, help="Sampling temperature of new sessions; 0 = greedy."),
@@ -222,17 +257,42 @@ def chat(
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
-    full_screen = not plain and sys.stdin.isatty() and sys.stdout.isatty()
+    if not plain and sys.stdin.isatty() and sys.stdout.isatty():
+        if attach:
+            _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
+                          system)
+        else:
+            _run_chat_app(lambda: _engine_thread(engine_kwargs), engine_kwargs.get("model", "smollm2-135m"), theme,
+                          sessions, temperature, max_tokens, system)
+        return
     engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(engine_kwargs)
     try:
-        if full_screen:
-            from zipage.cli.chat import ChatApp
-
-            ChatApp(engine, theme, sessions, temperature, max_tokens, system).run()
-        else:
-            run_plain(engine, Conversation("chat", temperature, max_tokens, system))
+        run_plain(engine, Conversation("chat", temperature, max_tokens, system))
     finally:
         engine.close()
+
+
+def _engine_thread(engine_kwargs: dict):
+    from zipage.engine.service import EngineThread
+
+    return EngineThread(**engine_kwargs)
+
+
+def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperature: float, max_tokens: int,
+                  system: str | None) -> None:
+    """The full-screen chat draws at once; given a function that starts the engine (rather than an
+    engine), it loads the model in the background."""
+    from zipage.cli.chat import ChatApp
+
+    app = ChatApp(engine, theme, sessions, temperature, max_tokens, system, model_name=model_name)
+    try:
+        app.run()
+    finally:
+        if app.engine is not None:
+            app.engine.close()
+    if app.load_error is not None:
+        err.print(f"[red]error:[/] {app.load_error}")
+        raise typer.Exit(2)
 
 
 @app.command(epilog="Examples:\n\n  zipage top\n\n"
@@ -250,7 +310,7 @@ def top(
     rate: float = typer.Option(None, min=0.001, help="Start at most this many requests per second."),
     prompts: str = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} per line), cycled; "
                                            "default: random-token prompts."),
-    teach: bool = typer.Option(False, help="Start in teaching mode: paused, one engine step per key press."),
+    teach: bool = typer.Option(False, "--teach", metavar="", help="Start in teaching mode: paused, one engine step per key press."),
     theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
     attach: str = typer.Option(None, help=ATTACH_HELP + " Its clients are the load: none is generated."),
     api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY", help=API_KEY_HELP),
@@ -321,10 +381,12 @@ def bench(
     num_requests: int = typer.Option(16, min=1, help="Requests, all submitted at once."),
     input_len: int = typer.Option(128, min=1, help="Random prompt tokens per request."),
     output_len: int = typer.Option(256, min=1, help="Tokens generated per request (greedy, EOS ignored)."),
+    repeats: int = typer.Option(3, min=1, help="Timed runs per mode, interleaved across modes, after a warm-up."),
     json_path: str = typer.Option(None, "--json", help="Also write the results as JSON here."),
     engine_kwargs: dict = None,
 ):
-    """Throughput of Zipage against full KV and transformers on the same weights and prompts."""
+    """Throughput of Zipage against full KV and transformers on the same weights and prompts: median and
+    spread of several interleaved runs per mode."""
     import json
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -336,28 +398,40 @@ def bench(
         err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
         raise typer.Exit(2)
     model = engine_kwargs.pop("model", "smollm2-135m")
-    with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err) as bar:
-        tasks = {m: bar.add_task(m, total=num_requests, start=False) for m in mode}
+    with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=err) as bar:
+        total = num_requests * output_len * repeats
+        tasks = {m: bar.add_task(m, total=total, start=False) for m in mode}
 
         def progress(m: str, done: int, total: int) -> None:
             bar.start_task(tasks[m])
             bar.update(tasks[m], completed=done)
 
         try:
-            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress)
+            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress,
+                                repeats=repeats, note=lambda line: bar.console.print(f"[yellow]note:[/] {line}"))
         except ValueError as e:
             err.print(f"[red]error:[/] {e}")
             raise typer.Exit(2)
+        except RuntimeError as e:  # a mode failed to run
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(1)
     table = Table(title=f"{model} · {num_requests} requests · {input_len} in / {output_len} out · "
-                        f"{results['device']}")
-    for column in ("mode", "tok/s", "time (s)", "output tokens", "peak concurrency", f"vs {mode[0]}"):
+                        f"{results['device']} · median of {repeats} run{'s' if repeats != 1 else ''} per mode")
+    for column in ("mode", "tok/s", "spread (min–max)", "time (s)", "output tokens", "peak concurrency",
+                   f"vs {mode[0]}"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results["results"]:
-        table.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['seconds']:.2f}", str(r["output_tokens"]),
-                      "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
-                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}×")
+        low, high = r["spread"]
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×" + (" (noise)" if r["within_noise"] else "")
+        table.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{low:.1f}–{high:.1f}", f"{r['seconds']:.2f}",
+                      str(r["output_tokens"]), "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
+                      ratio)
     Console().print(table)
+    noisy = [r["mode"] for r in results["results"] if r["within_noise"]]
+    if noisy:
+        Console().print(f"(noise): the runs of {', '.join(noisy)} overlap those of {mode[0]}; the difference is "
+                        "inside the run-to-run noise of this machine, not a result.")
     footprint = results.get("kv_footprint")
     if footprint:
         Console().print(f"KV footprint of this workload: full KV holds {footprint['full_kv_blocks']:.1f} blocks per "

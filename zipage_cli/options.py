@@ -11,20 +11,40 @@ import typer
 
 from zipage.engine.config import EngineConfig
 
-# Help text per knob; fields not listed get a generic line.
+# Help text per knob (every EngineConfig field; a test checks none is missing).
 KNOB_HELP = {
     "model": "Model: a built-in name (smollm2-135m), a .gguf file, an HF folder, a hub id, or random:PRESET.",
     "device": "cpu or cuda (default: cuda when available).",
+    "dtype": "float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).",
     "compression": "Bound each request's KV cache (off = full-KV baseline).",
     "block_size": "Tokens per KV block (default 256 on GPU, 32 on CPU).",
     "max_cache_blocks_per_seq": "Block budget n per request; a request holds at most n + 1 blocks.",
     "window": "Observation window w: queries of the last w positions score the cache.",
-    "kv_cache_gb": "Size the KV pool explicitly, in GiB.",
-    "num_kv_blocks": "Size the KV pool explicitly, in blocks.",
+    "use_global_score": "Carry each kept token's score into the next compression (decayed).",
+    "global_decay": "Decay of the carried score: s = max(s_now, decay * s_prev).",
+    "use_redundancy": "Lower the score of keys that near-duplicate other keys.",
+    "redundancy_lambda": "Weight of attention against redundancy in the score (1 = attention only).",
+    "redundancy_temperature": "Softmax temperature of the redundancy term.",
+    "lightning_redundancy": "Compare keys only within their own block (cheaper redundancy).",
+    "enable_pooling": "Max-pool scores along tokens at a request's first compression.",
+    "pooling_kernel": "Width of that pooling, in tokens (odd).",
+    "num_sink_tokens": "First tokens of a request that are never evicted.",
+    "recent_share": "Share of the budget always kept for the newest entries; scores choose the rest.",
+    "eviction": "What chooses the evicted tokens: score (Zipage), random or recent (baselines).",
+    "async_compress": "Compress in the background while the other requests keep decoding.",
+    "max_compressions_per_step": "Most compressions started per engine step.",
+    "hybrid_scheduling": "Let requests without a query slot keep decoding while they have room.",
+    "num_query_slots": "Query slots M (requests that can be scored at once); default sized with the pool.",
+    "prefix_caching": "Reuse the KV blocks of a prompt prefix seen before.",
     "max_num_seqs": "Most requests running at once.",
     "max_model_len": "Longest prompt + output, in tokens.",
+    "max_num_batched_tokens": "Most prompt tokens prefilled in one step.",
+    "memory_utilization": "Share of GPU memory for weights and the KV pool.",
+    "kv_cache_gb": "Size the KV pool explicitly, in GiB.",
+    "num_kv_blocks": "Size the KV pool explicitly, in blocks.",
+    "enforce_eager": "Never capture CUDA graphs.",
     "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
-    "recent_share": "Share of the budget always kept for the newest entries; scores choose the rest.",
+    "seed": "Seed of the engine (random weights, random eviction, unseeded sampling).",
 }
 ENGINE_PANEL = "Engine"
 
@@ -49,8 +69,10 @@ def engine_options(func):
             decl = [f"{flag}/--no-{f.name.replace('_', '-')}"]
         else:
             decl = [flag]
-        option = typer.Option(None, *decl, help=KNOB_HELP.get(f.name, f"Engine knob {f.name} (default {default})."),
-                              rich_help_panel=ENGINE_PANEL, show_default=False)
+        shown = "" if default is None or typ is bool else f" [default: {default}]"
+        option = typer.Option(None, *decl, help=KNOB_HELP.get(f.name, f"Engine setting {f.name}.") + shown,
+                              rich_help_panel=ENGINE_PANEL,
+                              show_default=False, metavar="" if typ is bool else None)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=typing.Optional[typ]))
         names.append(f.name)

@@ -7,6 +7,7 @@ settings, the shared slash commands) is also what the full-screen chat keeps per
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -50,8 +51,9 @@ class Conversation:
     def settings_line(self) -> str:
         system = f"system: {self.system[:24]}…" if self.system and len(self.system) > 24 else (
             f"system: {self.system}" if self.system else "no system message")
+        turns = len(self.history) // 2
         return (f"temperature {self.temperature:g} · max tokens {self.max_tokens} · {system} · "
-                f"{len(self.history) // 2} turns")
+                f"{turns} turn{'s' if turns != 1 else ''}")
 
     def apply(self, command: str, arg: str) -> str | None:
         """Run a settings command; returns a confirmation, None if `command` is not one,
@@ -90,16 +92,68 @@ def split_command(line: str) -> tuple[str, str]:
     return command.lower(), arg.strip()
 
 
+class WordWrapper:
+    """Streams text to a terminal `width` columns wide, breaking lines between words rather than
+    inside them (a word is held back until it is complete). Words longer than a line are cut.
+    Without a width (not a terminal) the text passes through unchanged."""
+
+    def __init__(self, out: TextIO, width: int | None):
+        self.out, self.width = out, None if width is None else max(8, width)
+        self.column, self.word = 0, ""
+        self.space = False  # a blank owed before the next word, dropped if that word wraps
+
+    def write(self, text: str) -> None:
+        if self.width is None:
+            self.out.write(text)
+            self.out.flush()
+            return
+        for char in text:
+            if char == "\n":
+                self._put_word()
+                self._newline()
+            elif char in " \t":
+                self._put_word()
+                self.space = self.column > 0  # no blank at the start of a line
+            else:
+                self.word += char
+                if len(self.word) >= self.width:
+                    self._put_word()
+        self.out.flush()
+
+    def finish(self) -> None:
+        self._put_word()
+        self.out.flush()
+
+    def _put_word(self) -> None:
+        if not self.word:
+            return
+        if self.column and self.column + self.space + len(self.word) > self.width:
+            self._newline()
+        elif self.space:
+            self.out.write(" ")
+            self.column += 1
+        self.space = False
+        self.out.write(self.word)
+        self.column += len(self.word)
+        self.word = ""
+
+    def _newline(self) -> None:
+        self.out.write("\n")
+        self.column, self.space = 0, False
+
+
 def answer(engine: EngineThread, conv: Conversation, prompt: str, out: TextIO) -> None:
-    """Stream one answer to `out`; Ctrl+C stops it (the partial answer stays in the history)."""
+    """Stream one answer to `out` (word-wrapped on a terminal); Ctrl+C stops it (the partial answer
+    stays in the history)."""
     handle = engine.submit(conv.messages_for(prompt), conv.params(), session=conv.name)
+    writer = WordWrapper(out, shutil.get_terminal_size().columns if out.isatty() else None)
     try:
         for delta in handle:
-            out.write(delta)
-            out.flush()
+            writer.write(delta)
     except KeyboardInterrupt:
         engine.abort(handle)
-        out.write(" [stopped]")
+        writer.write(" [stopped]")
+    writer.finish()
     result = handle.result()
     out.write("\n")
     out.flush()

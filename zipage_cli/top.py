@@ -28,7 +28,7 @@ from zipage.engine.config import SamplingParams
 from zipage.engine.events import EngineSnapshot, Event, RequestInfo
 from zipage.engine.service import EngineThread
 from zipage.cli.themes import ThemedApp
-from zipage.cli.widgets import EnginePanes, HelpScreen, PoolMap, describe_event, drain
+from zipage.cli.widgets import PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, describe_event, drain
 
 REFRESH_S = 0.25
 
@@ -118,8 +118,9 @@ class LoadGenerator:
 
 # -- teaching notes ----------------------------------------------------------------------
 def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Event],
-                 selected: int | None) -> list[str]:
-    """Plain-words account of one engine step: what ran, then what happened to `selected`."""
+                 selected: int | None, last_compression: dict[int, Event] | None = None) -> list[str]:
+    """Plain-words account of one engine step: what ran, then what happened to `selected`
+    (with its latest compression, from `last_compression`, when this step did not compress it)."""
     old = {r.id: r for r in before.requests}
     new = {r.id: r for r in after.requests}
     kinds = Counter(e.kind for e in events)
@@ -148,6 +149,10 @@ def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Eve
         mine = [e for e in events if e.request == target]
         lines.append("")
         lines += explain_request(target, old.get(target), new.get(target), mine, pool.block_size)
+        earlier = (last_compression or {}).get(target)
+        if earlier is not None and not any(e.kind == "compressed" for e in mine) and target in new:
+            lines.append(f"#{target}'s latest compression (its {_nth(earlier.details.get('times', 0))}): "
+                         + compression_words(earlier.details))
     others = [e for e in events if e.request != target]
     if others:
         lines.append("")
@@ -174,11 +179,7 @@ def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | N
             held = after.block_table if after else ()
             targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
             decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
-            kept, recent = d.get("tokens_after", 0), d.get("recent_kept", 0)
-            lines.append(f"#{rid} was compressed from {d.get('blocks_before')} to {d.get('blocks_after')} blocks: "
-                         f"each layer and KV head kept its newest {recent} tokens and the {kept - recent} "
-                         f"highest-scoring older ones, {kept} of {d.get('tokens_before')} cached tokens, evicting "
-                         f"{d.get('evicted_per_layer')} ({1000 * d.get('seconds', 0):.1f} ms).")
+            lines.append(f"#{rid} was compressed this step: " + compression_words(d))
             if targets:
                 lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
                              + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
@@ -213,6 +214,9 @@ def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Ev
                      f"({after.kv_len} tokens cached).")
     elif after.status == "running" and after.output_tokens == before.output_tokens and not prefilled:
         lines.append(f"#{rid} sat this step out (prefill steps run prompts only).")
+    if after.kv_len < before.kv_len and not any(e.kind == "compressed" for e in events):
+        lines.append(f"#{rid}'s cache went from {before.kv_len} to {after.kv_len} entries: a compression of it "
+                     "landed (it ran in the background).")
     grown = [b for b in after.block_table if b not in before.block_table]
     if grown and not any(e.kind in ("admitted", "compressed") for e in events):
         lines.append(f"#{rid} got new block {_ids(grown)}: its last block was full "
@@ -221,6 +225,22 @@ def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Ev
         lines.append(f"#{rid} got query slot {after.query_slot}: the queries of its last window positions are "
                      "now kept, so it can be scored and compressed when it reaches its block budget.")
     return lines
+
+
+def compression_words(d) -> str:
+    """One compression, from its event's details: entries evicted and kept (newest / by score), blocks."""
+    before, kept, recent = d.get("tokens_before", 0), d.get("tokens_after", 0), d.get("recent_kept", 0)
+    blocks_before, blocks_after = d.get("blocks_before", 0), d.get("blocks_after", 0)
+    return (f"every layer and KV head evicted {d.get('evicted_per_layer', before - kept)} of its {before} cached "
+            f"entries and kept {kept}: the {min(recent, kept)} newest, plus the {max(0, kept - recent)} older ones "
+            f"that scored highest. Its block table went from {blocks_before} to {blocks_after} blocks"
+            + (" (the same count: the kept entries were packed into target blocks and one fresh block takes "
+               "the next tokens)" if blocks_before == blocks_after else "")
+            + f"; {1000 * d.get('seconds', 0):.1f} ms.")
+
+
+def _nth(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
 
 def _ids(blocks: list[int]) -> str:
@@ -237,31 +257,28 @@ def row_cells(r: RequestInfo) -> tuple:
             f"{r.tokens_per_s:.1f}")
 
 
-class TopApp(ThemedApp):
+class TopApp(SidePanes, ThemedApp):
     TITLE = "Zipage top"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]
     ENABLE_COMMAND_PALETTE = False
-    CSS = """
+    CSS = SidePanes.SIDE_CSS + """
     #left { width: 2fr; }
     #right { width: 1fr; min-width: 40; max-width: 60; }
-    .pane { padding: 0 1; }
-    #requests { height: 1fr; min-height: 6; }
-    #pool-pane { height: auto; max-height: 60%; }
+    #requests { height: 1fr; min-height: 5; }
+    #pool-pane { height: auto; max-height: 50%; }
     PoolMap { height: auto; }
-    #explain-pane { height: auto; max-height: 16; display: none; }
+    #explain-pane { height: auto; max-height: 50%; display: none; }
     #explain-pane.teaching { display: block; }
-    #throughput { height: 8; }
-    #gauges { height: 6; }
-    #events { height: 1fr; }
-    Sparkline { height: 2; }
-    HelpScreen { align: center middle; }
-    #help-box { width: 76; height: auto; max-height: 90%; padding: 1 2; }
+    #body.teaching-mode #pool-pane { max-height: 30%; }
     """
     BINDINGS = [
         Binding("f1,question_mark", "help", "Help", tooltip="Show keys and what the panes mean"),
         Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
         Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
+        Binding("w", "latency_window", "Window", tooltip="Latency pane: switch between the 5, 15 and 60 s windows"),
+        SidePanes.SIDE_BINDING,
         ThemedApp.THEME_BINDING,
-        Binding("q,ctrl+q", "quit", "Quit", tooltip="Leave"),
+        Binding("q,ctrl+q,ctrl+c", "quit", "Quit", tooltip="Leave"),
     ]
 
     def __init__(self, engine: EngineThread, load: LoadGenerator | None = None, theme_name: str = "dark",
@@ -272,6 +289,8 @@ class TopApp(ThemedApp):
         self.events: queue.Queue = engine.subscribe()
         self.teach_events: queue.Queue | None = None
         self.stepping = False
+        self.last_step: tuple | None = None  # (before, after, events) of the latest taught step
+        self.last_compression: dict[int, Event] = {}  # request id -> its latest compression event
 
     def compose(self) -> ComposeResult:
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
@@ -279,10 +298,11 @@ class TopApp(ThemedApp):
         self.pool = PoolMap(id="pool")
         self.explain_pane = Vertical(id="explain-pane", classes="pane")
         self.explain = Static(TEACH_INTRO, id="explain", classes="explain")
-        panes = EnginePanes()
-        self.throughput, self.gauges, self.event_log = panes.throughput, panes.gauges, panes.event_log
+        self.panes = EnginePanes()
+        self.event_log, self.latency = self.panes.event_log, self.panes.latency
+        self.body = Horizontal(id="body")
         yield Header(icon="▣")
-        with Horizontal():
+        with self.body:
             with Vertical(id="left"):
                 self.table.border_title = "Requests"
                 yield self.table
@@ -292,8 +312,8 @@ class TopApp(ThemedApp):
                 with self.explain_pane:
                     self.explain_pane.border_title = "Teaching mode: one step per key press"
                     yield self.explain
-            with Vertical(id="right"):
-                yield from panes.compose()
+            with Vertical(id="right", classes="side"):
+                yield self.panes
         yield Footer()
 
     def on_mount(self) -> None:
@@ -325,9 +345,10 @@ class TopApp(ThemedApp):
         snapshot = self.engine.snapshot()
         self.show_requests(snapshot)
         self.pool.show(snapshot, self.selected)
-        self.throughput.show(snapshot)
-        self.gauges.show(snapshot)
-        self.event_log.add(drain(self.events))
+        events = drain(self.events)
+        self.last_compression.update((e.request, e) for e in events if e.kind == "compressed")
+        self.panes.show(snapshot, events)
+        self.event_log.select(self.selected)
         mode = "TEACHING (paused)" if self.engine.paused else "live"
         load = f" · load: {self.load.submitted} sent" if self.load else ""
         if self.load and self.load.error:
@@ -356,6 +377,7 @@ class TopApp(ThemedApp):
             self.engine.unsubscribe(self.teach_events)
             self.teach_events = None
             self.explain_pane.remove_class("teaching")
+            self.body.remove_class("teaching-mode")
         else:
             try:
                 self.engine.pause()
@@ -365,6 +387,7 @@ class TopApp(ThemedApp):
             self.teach_events = self.engine.subscribe()
             self.explain.update(TEACH_INTRO)
             self.explain_pane.add_class("teaching")
+            self.body.add_class("teaching-mode")
 
     def action_step(self) -> None:
         if not self.engine.paused:
@@ -382,25 +405,45 @@ class TopApp(ThemedApp):
             before = self.engine.snapshot(fresh=True)
             drain(self.teach_events)  # events from before this step
             after = self.engine.step_once()
-            lines = explain_step(before, after, drain(self.teach_events), selected)
+            events = drain(self.teach_events)
         finally:
             self.stepping = False
-        self.call_from_thread(self.show_step, lines)
+        self.call_from_thread(self.show_step, (before, after, events))
 
-    def show_step(self, lines: list[str]) -> None:
+    def show_step(self, record: tuple) -> None:
+        self.last_step = record
+        self.last_compression.update((e.request, e) for e in record[2] if e.kind == "compressed")
+        self.refresh_panes()
+        self.explain_selected()
+
+    def explain_selected(self) -> None:
+        """The latest step's explanation, for whichever request is selected now."""
+        if self.last_step is None:
+            return
+        before, after, events = self.last_step
+        lines = explain_step(before, after, events, self.selected, self.last_compression)
         text = Text()
         for i, line in enumerate(lines):
             text.append(line + "\n", "bold" if i == 0 else "")
         text.append("space: next step · ↑/↓: follow another request · t: run freely", "italic")
         self.explain.update(text)
-        self.refresh_panes()
+
+    def on_data_table_row_highlighted(self) -> None:
+        """A new selection shows at once: its explanation, its blocks in the map, its events."""
+        self.explain_selected()
+        self.pool.show(self.engine.snapshot(), self.selected)
+        self.event_log.select(self.selected)
+
+    # -- layout --------------------------------------------------------------------
+    def action_latency_window(self) -> None:
+        self.latency.next_window()
 
     def action_help(self) -> None:
         notes = ("Teaching mode pauses the engine; each step key runs exactly one engine step (normally one "
                  "forward pass) and explains it for the selected request: admission, prefill, which block and slot "
                  "a decoded token went to, new blocks, compressions (blocks before/after, tokens evicted), "
                  "preemptions and finishes.\n\nThe block pool map draws every KV block: colour = owning "
-                 "request, glyph = role; dim dots are free blocks, small squares free blocks that still "
-                 "cache a prefix.")
+                 "request (underlined or reversed once colours run out), glyph = role; dim dots are free blocks, "
+                 "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS)
         self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS, notes))
 

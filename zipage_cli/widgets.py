@@ -2,7 +2,7 @@
 throughput sparklines, gauges and the help screen.
 
 Every widget draws from `engine.events` records only (snapshots and events). Colours come from
-component classes, so the theme files (.tcss) restyle them and a theme switch repaints them.
+component classes, so the theme (zipage.themes) restyles them and a theme switch repaints them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import queue
 import time
 from collections import deque
 
+from rich.console import Group
+from rich.style import Style
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -18,14 +21,31 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Sparkline, Static
 
-from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, RequestInfo
+from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, Latency, RequestInfo
+from zipage.engine.latency import STALL_S
 
 ROLES = ("shared", "reused", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
 GLYPHS = {"shared": "◆", "reused": "◇", "private": "■", "target": "▣", "decode": "▶", "cached": "▪", "free": "·"}
 ROLE_LABELS = {"shared": "shared prefix", "reused": "prefix from the cache", "private": "private", "target": "compressed target",
                "decode": "decode", "cached": "free, cached prefix", "free": "free"}
-OWNER_COLOURS = 6  # the pool map cycles owner--0 .. owner--5 from the theme
+OWNER_COLOURS = 12  # owner--0 .. owner--11 in each theme
+# With more live requests than colours, the colours come round again under these text styles,
+# so that up to 36 live requests all look different.
+OWNER_STYLES = ("", "underline", "reverse")
+
+# What the panes' terms mean; both apps' help screens show it.
+PANE_TERMS = """\
+Terms in the panes:
+  kv                 KV entries a request holds in the cache (drops when compression evicts)
+  blocks             fixed-size pages of the KV pool; a request holds a table of them
+  shared prefix      a block other requests use too (a common prompt start), never written
+  compressed target  a block holding the entries kept by a compression
+  decode             the fresh block a compressed request writes its next tokens into
+  q-slots            query slots: the last window's queries kept per request, needed to score
+                     its cache; a request must hold one to be compressed
+  TTFT / ITL         time to first token / between two tokens of one answer
+  queue              time from arrival until a request gets its blocks"""
 
 # C0 control characters (but newline and tab) as their visible "control pictures": a random-weight
 # model emits arbitrary bytes, and a raw escape must never reach the terminal.
@@ -70,8 +90,10 @@ def describe_event(event: Event) -> str:
     if event.kind == "prefilled":
         return f"prefilled {d.get('tokens')} tokens ({1000 * d.get('seconds', 0):.0f} ms)"
     if event.kind == "compressed":
-        return (f"compressed {d.get('blocks_before')}→{d.get('blocks_after')} blocks, "
-                f"−{d.get('evicted_per_layer')} tokens/layer ({1000 * d.get('seconds', 0):.1f} ms)")
+        kept, recent = d.get("tokens_after", 0), d.get("recent_kept", 0)
+        return (f"compressed {d.get('tokens_before')}→{kept} entries per layer ({min(recent, kept)} newest + "
+                f"{max(0, kept - recent)} by score), blocks {d.get('blocks_before')}→{d.get('blocks_after')} "
+                f"({1000 * d.get('seconds', 0):.1f} ms)")
     if event.kind == "preempted":
         return f"preempted after {d.get('output_tokens')} tokens: blocks freed, requeued"
     if event.kind == "error":
@@ -139,6 +161,7 @@ class PoolMap(RoleStyled):
         self.selected: int | None = None
         self.cached: set[int] = set()
         self.owned: dict[int, tuple[int, str]] = {}  # block -> (request id, role)
+        self.looks: dict[int, int] = {}  # live request id -> its look (colour + style), unique while live
 
     def show(self, snapshot: EngineSnapshot, selected: int | None = None) -> None:
         owned = {}
@@ -146,9 +169,25 @@ class PoolMap(RoleStyled):
             for block, role in zip(r.block_table, r.block_roles):
                 owned.setdefault(block, (r.id, role))
         self.owned, self.cached = owned, set(snapshot.pool.cached_blocks)
+        self.assign_looks([r.id for r in snapshot.requests])
         resized = self.snapshot is None
         self.snapshot, self.selected = snapshot, selected
         self.refresh(layout=resized)
+
+    def assign_looks(self, live: list[int]) -> None:
+        """Keep each live request's look; a newcomer takes the first look no live request has."""
+        self.looks = {rid: look for rid, look in self.looks.items() if rid in live}
+        taken = set(self.looks.values())
+        free = (look for look in range(OWNER_COLOURS * len(OWNER_STYLES) + len(live)) if look not in taken)
+        for rid in sorted(live):
+            if rid not in self.looks:
+                self.looks[rid] = next(free)
+
+    def owner_style(self, request: int):
+        look = self.looks.get(request, request)
+        style = self.style_for(f"owner--{look % OWNER_COLOURS}")
+        modifier = OWNER_STYLES[(look // OWNER_COLOURS) % len(OWNER_STYLES)]
+        return style + Style.parse(modifier) if modifier else style
 
     MAX_ROWS = 16  # past this, several blocks share a glyph
 
@@ -189,7 +228,7 @@ class PoolMap(RoleStyled):
         for block in blocks:
             if block in self.owned:
                 request, role = self.owned[block]
-                style = self.style_for(f"owner--{request % OWNER_COLOURS}")
+                style = self.owner_style(request)
                 if request == self.selected:
                     style += self.style_for("selected")
                 return GLYPHS[role], style
@@ -199,32 +238,54 @@ class PoolMap(RoleStyled):
 
 
 class EventLog(Static):
-    """The newest engine events, newest last; restyled on theme change (colours per kind)."""
+    """The newest engine events, newest last; restyled on theme change (colours per kind). Every line
+    is shown whole, wrapped under its time stamp; the selected request's lines are marked."""
 
-    COMPONENT_CLASSES = {f"event--{k}" for k in EVENT_KINDS} | {"dim"}
-    DEFAULT_CSS = "EventLog { height: 1fr; text-wrap: nowrap; text-overflow: ellipsis; }"
+    COMPONENT_CLASSES = {f"event--{k}" for k in EVENT_KINDS} | {"dim", "selected"}
+    DEFAULT_CSS = "EventLog { height: 1fr; }"
+    STAMP = 9  # "HH:MM:SS "
 
     def __init__(self, max_events: int = 500, **kwargs):
         super().__init__(**kwargs)
         self.events: deque[Event] = deque(maxlen=max_events)
+        self.selected: int | None = None
 
     def add(self, events: list[Event]) -> None:
         if events:
             self.events.extend(events)
             self.refresh()
 
+    def select(self, request: int | None) -> None:
+        if request != self.selected:
+            self.selected = request
+            self.refresh()
+
+    def line(self, event: Event) -> str:
+        return (f"#{event.request} " if event.request is not None else "") + describe_event(event)
+
     def render(self) -> Text:
-        text = Text()
+        dim = self.get_component_rich_style("dim", partial=True)
         if not self.events:
-            text.append("no events yet", self.get_component_rich_style("dim", partial=True))
-        lines = list(self.events)[-max(1, self.content_size.height):]
-        for i, event in enumerate(lines):
+            return Text("no events yet", dim)
+        width = max(10, self.content_size.width - self.STAMP)
+        rows_left, shown = max(1, self.content_size.height), []
+        for event in reversed(self.events):  # the newest that fit, each with all its wrapped rows
+            rows = -(-len(self.line(event)) // width)
+            if shown and rows > rows_left:
+                break
+            shown.append(event)
+            rows_left -= rows
+        text = Text()
+        for i, event in enumerate(reversed(shown)):
+            words = Text(self.line(event), self.get_component_rich_style(f"event--{event.kind}", partial=True))
+            if event.request is not None and event.request == self.selected:
+                words.stylize(self.get_component_rich_style("selected", partial=True))
             stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-            text.append(f"{stamp} ", self.get_component_rich_style("dim", partial=True))
-            text.append(f"#{event.request} " if event.request is not None else "")
-            text.append(describe_event(event), self.get_component_rich_style(f"event--{event.kind}", partial=True))
-            if i < len(lines) - 1:
+            for j, row in enumerate(words.wrap(self.app.console, width)):
+                text.append(f"{stamp} " if j == 0 else " " * self.STAMP, dim)
+                text.append_text(row)
                 text.append("\n")
+        text.rstrip()
         return text
 
 
@@ -302,29 +363,138 @@ class Gauges(Vertical):
                         f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")
 
 
-class EnginePanes:
-    """The panes chat and top share: throughput sparklines, pool and memory gauges, the event log."""
+def fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1000:.1f} ms"
+    return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
 
-    def __init__(self):
+
+class LatencyView(Static):
+    """TTFT, inter-token latency and queue time (p50/p95/p99) over one of the snapshot's sliding
+    windows, the prefix-cache hit rate, event rates, and a stall warning. A click (or top's w key)
+    switches the window."""
+
+    COMPONENT_CLASSES = {"dim", "stall"}
+    DEFAULT_CSS = "LatencyView { height: auto; }"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.latency = Latency()
+        self.window_index = 1  # 15 s: steadier than 5 s, fresher than 60 s
+        self.snapshot_time: float | None = None
+        self.has_work = False
+
+    def show(self, snapshot: EngineSnapshot) -> None:
+        self.latency = snapshot.latency
+        self.snapshot_time, self.has_work = snapshot.time, bool(snapshot.running or snapshot.waiting)
+        self.refresh(layout=True)
+
+    def stall_note(self, now: float | None = None) -> str | None:
+        """Why the engine looks stalled, or None. The engine flags a stall in its snapshot; a step that
+        hangs publishes no snapshot at all, so an old snapshot with work in it counts too."""
+        now = time.time() if now is None else now
+        if self.has_work and self.snapshot_time is not None and now - self.snapshot_time > STALL_S:
+            return f"STALLED: no news from the engine for {now - self.snapshot_time:.0f} s"
+        if self.latency.stalled:
+            since = self.latency.since_last_step
+            return "STALLED: work waits, no step " + (f"for {since:.0f} s" if since is not None else "yet")
+        return None
+
+    def next_window(self) -> None:
+        if self.latency.windows:
+            self.window_index = (self.window_index + 1) % len(self.latency.windows)
+            self.refresh()
+
+    def on_click(self) -> None:
+        self.next_window()
+
+    def render(self) -> Text:
+        dim = self.get_component_rich_style("dim", partial=True)
+        if not self.latency.windows:
+            return Text("no latency figures yet", dim)
+        w = self.latency.windows[self.window_index % len(self.latency.windows)]
+        text = Text()
+        text.append(f"last {w.seconds:.0f} s      p50      p95      p99\n", dim)
+        for label, p in (("TTFT", w.ttft), ("ITL", w.itl), ("queue", w.queue)):
+            text.append(f"{label:<10}")
+            text.append("".join(f"{fmt_seconds(v):>9}" for v in (p.p50, p.p95, p.p99)))
+            text.append(f"  ({p.count})\n" if p.count else "\n", dim)
+        hits = "-" if w.prefix_hit_rate is None else f"{100 * w.prefix_hit_rate:.0f}%"
+        text.append(f"prefix hits {hits} · per s: preempt {w.preemptions_per_s:.1f}, "
+                    f"abort {w.aborts_per_s:.1f}, compress {w.compressions_per_s:.1f}", dim)
+        stall = self.stall_note()
+        if stall:
+            text.append("\n" + stall, self.get_component_rich_style("stall", partial=True))
+        return text
+
+
+class EnginePanes(Vertical):
+    """The panes chat and top share, as one widget with its own layout: throughput sparklines, pool
+    and memory gauges, latency, and the event log taking the rest of the height."""
+
+    DEFAULT_CSS = """
+    EnginePanes { height: 1fr; }
+    EnginePanes > #throughput { height: 8; }
+    EnginePanes > #gauges { height: 6; }
+    EnginePanes > #latency { height: auto; }
+    EnginePanes > #events { height: 1fr; }
+    EnginePanes Sparkline { height: 2; }
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.throughput = Throughput(id="throughput", classes="pane")
+        self.latency = LatencyView(id="latency", classes="pane")
         self.gauges = Gauges(id="gauges", classes="pane")
         self.event_log = EventLog(id="event-log")
 
+    def show(self, snapshot: EngineSnapshot, events: list[Event]) -> None:
+        self.throughput.show(snapshot)
+        self.gauges.show(snapshot)
+        self.latency.show(snapshot)
+        self.event_log.add(events)
+
     def compose(self) -> ComposeResult:
-        """Yield the panes into the caller's compose context."""
         with self.throughput:
             self.throughput.border_title = "Throughput"
         with self.gauges:
             self.gauges.border_title = "KV pool & memory"
+        self.latency.border_title = "Latency (click: window)"
+        yield self.latency
         with Vertical(id="events", classes="pane") as pane:
             pane.border_title = "Engine events"
             yield self.event_log
+
+
+class SidePanes:
+    """For the apps: the container with class `side` (inside #body) hides in a terminal narrower
+    than the breakpoint, so the main pane keeps its room; F2 shows or hides it by hand."""
+
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]  # Textual sets these classes on the screen
+    SIDE_BINDING = Binding("f2", "toggle_side", "Panes",
+                           tooltip="Hide or show the side panes (hidden at first in narrow terminals)")
+    SIDE_CSS = """
+    Screen.-narrow .side { display: none; }
+    #body.side-on .side { display: block; }
+    #body.side-off .side { display: none; }
+    """
+
+    def action_toggle_side(self) -> None:
+        shown = self.query_one(".side").display
+        self.body.set_class(shown, "side-off")
+        self.body.set_class(not shown, "side-on")
 
 
 class HelpScreen(ModalScreen):
     """The app's key bindings and any extra notes (chat's slash commands, top's teaching mode)."""
 
     BINDINGS = [Binding("escape,f1,q,question_mark", "app.pop_screen", "Close help")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen #help-box { width: 80; height: auto; max-height: 90%; padding: 1 2; }
+    """
 
     def __init__(self, title: str, bindings: list[Binding], notes: str = ""):
         super().__init__()
@@ -333,18 +503,39 @@ class HelpScreen(ModalScreen):
         self.notes = notes
 
     def compose(self) -> ComposeResult:
-        text = Text()
-        text.append(f"{self.title_text}\n\n", "bold")
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold", no_wrap=True)
+        keys.add_column()  # a long explanation wraps inside its own column
         for b in self.bindings:
-            keys = ", ".join(k.strip() for k in b.key.split(","))
-            text.append(f"  {keys:<26}", "bold")
-            text.append(f"{b.tooltip or b.description}\n")
-        if self.notes:
-            text.append(f"\n{self.notes}\n")
-        text.append("\nEsc or F1 closes this help.", "italic")
+            shown = " or ".join(self.app.get_key_display(Binding(k.strip(), b.action)) for k in b.key.split(","))
+            keys.add_row(shown, b.tooltip or b.description)
+        closing = Text("Esc or F1 closes this help.", "italic")
         with VerticalScroll(id="help-box", classes="pane") as box:
             box.border_title = "Help"
-            yield Static(text)
+            yield Static(Group(Text(self.title_text + "\n", "bold"), keys, Text(""),
+                               *([Text(self.notes + "\n")] if self.notes else []), closing))
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; dismisses with True for y (or Enter), False for n or Esc."""
+
+    BINDINGS = [Binding("y,enter", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Static { width: auto; max-width: 70; height: auto; padding: 1 2; }
+    """
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        box = Static(Text.assemble((self.question, "bold"), "\n\ny: yes   n or Esc: no"), classes="pane")
+        box.border_title = "Confirm"
+        yield box
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
 
 
 def session_name_widget_id(name: str) -> str:

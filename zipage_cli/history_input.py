@@ -1,0 +1,36 @@
+"""An Input whose ↑/↓ recall the lines sent earlier, as a shell or `zipage chat --plain` does."""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+from textual.widgets import Input
+
+
+class HistoryInput(Input):
+    """↑ steps back through the sent lines, ↓ forward again; past the newest, the draft typed
+    before the recall comes back."""
+
+    BINDINGS = [
+        Binding("up", "recall(-1)", "Earlier message", show=False),
+        Binding("down", "recall(1)", "Later message", show=False),
+    ]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent: list[str] = []
+        self.position = 0  # index into `sent`; len(sent) means "the draft"
+        self.draft = ""
+
+    def remember(self, line: str) -> None:
+        if line and (not self.sent or self.sent[-1] != line):
+            self.sent.append(line)
+        self.position, self.draft = len(self.sent), ""
+
+    def action_recall(self, step: int) -> None:
+        if not self.sent:
+            return
+        if self.position == len(self.sent):
+            self.draft = self.value
+        self.position = max(0, min(len(self.sent), self.position + step))
+        self.value = self.sent[self.position] if self.position < len(self.sent) else self.draft
+        self.cursor_position = len(self.value)
