@@ -121,11 +121,15 @@ def test_bench_json_has_all_three_modes(tmp_path):
 def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{oops}\n')
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "ok"}\n{"prompt": "%s"}\n' % ("many words " * 40))
     cases = [
         (["chat", "--theme", "neon"], "unknown theme 'neon'; choose one of: dark, light, high-contrast"),
         (["top", "--prompts", str(tmp_path / "none.jsonl")], "none.jsonl' not found"),
         (["top", "--prompts", str(bad)], "bad.jsonl line 2: not valid JSON"),
         (["bench", "--mode", "vllm"], "unknown mode 'vllm'"),
+        (["bench", "--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
+        (["top", "--prompts", str(long), *TINY, "--max-model-len", "64"], "long.jsonl, prompt 2: prompt has"),
         (["chat", "--plain", "--model", "random:nope"], "unknown random preset 'random:nope'"),
     ]
     for argv, message in cases:
@@ -223,3 +227,12 @@ def test_full_screen_chat_draws_then_loads_and_reports_a_bad_model():
         assert "error: unknown random preset 'random:nope'" in shown
     finally:
         term.close()
+
+
+def test_generate_says_when_an_answer_is_cut_by_the_pool():
+    """A request that outgrows the whole KV pool (full KV) ends early: stderr says so, exit 1."""
+    result = subprocess.run(CLI + ["generate", "--raw", "--no-compression", *TINY, "--num-kv-blocks", "2",
+                                   "--max-tokens", "200", "--temperature", "0", "hello"],
+                            capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "cut short" in result.stderr and "KV pool" in result.stderr

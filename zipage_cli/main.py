@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -79,6 +80,9 @@ def generate(
         sys.stdout.write("\n")
         if out.finish_reason == "error":
             err.print(f"[red]error:[/] {out.error}")
+            raise typer.Exit(1)
+        if out.error:  # ended early for a reason of its own (e.g. it outgrew the KV pool): the answer is cut
+            err.print(f"[red]error:[/] the answer was cut short ({out.finish_reason}): {out.error}")
             raise typer.Exit(1)
         if stats:
             seconds = time.monotonic() - start
@@ -217,6 +221,19 @@ ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http
 API_KEY_HELP = "The server's API key, with --attach."
 
 
+def _check_writable(path: str | None, option: str) -> None:
+    """Fail before a long run, not after it, when its results could not be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        err.print(f"[red]error:[/] {option} {path}: the folder {folder!r} does not exist")
+        raise typer.Exit(2)
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        err.print(f"[red]error:[/] {option} {path}: not writable")
+        raise typer.Exit(2)
+
+
 def _check_theme(theme: str) -> None:
     from zipage.cli.themes import check_theme
 
@@ -318,7 +335,7 @@ def top(
 ):
     """Watch the engine under load, block by block; teaching mode explains it one step at a time."""
     from zipage.engine.config import SamplingParams
-    from zipage.cli.top import LoadGenerator, TopApp, prompt_source, read_prompts
+    from zipage.cli.top import LoadGenerator, TopApp, check_prompts, prompt_source, read_prompts
 
     _check_theme(theme)
     if attach:
@@ -338,6 +355,12 @@ def top(
         raise typer.Exit(2)
     engine = _load_engine(engine_kwargs)
     try:
+        if texts is not None:
+            try:
+                check_prompts(engine, texts, prompts)
+            except ValueError as e:
+                err.print(f"[red]error:[/] {e}")
+                raise typer.Exit(2)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=texts is None)
         source = prompt_source(engine, texts, input_len, engine.config.seed)
         TopApp(engine, LoadGenerator(engine, source, params, concurrency, rate), theme, teach).run()
@@ -397,6 +420,7 @@ def bench(
     if bad:
         err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
         raise typer.Exit(2)
+    _check_writable(json_path, "--json")
     model = engine_kwargs.pop("model", "smollm2-135m")
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn(), console=err) as bar:

@@ -68,6 +68,17 @@ def synthetic_prompts(tokenizer, input_len: int, seed: int = 0) -> Iterator[list
         yield [rng.choice(vocab) for _ in range(input_len)]
 
 
+def check_prompts(engine: EngineThread, texts: list[str], path: str) -> None:
+    """Every prompt of the file must be servable (encoding, length), checked before the screen starts;
+    the error names the file and the prompt."""
+    for number, text in enumerate(texts, start=1):
+        prompt = [{"role": "user", "content": text}] if getattr(engine.tokenizer, "chat_template", None) else text
+        try:
+            engine.check_prompt(prompt)
+        except ValueError as e:
+            raise ValueError(f"{path}, prompt {number}: {e}") from None
+
+
 def prompt_source(engine: EngineThread, texts: list[str] | None, input_len: int, seed: int) -> Iterator:
     """Cycle the given prompts (through the chat template when the model has one), or synthesise."""
     if texts is None:
