@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
@@ -92,6 +93,7 @@ def generate(
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not break the clean-up below
         if handle is not None:
             service.abort(handle)
         raise typer.Exit(130)
