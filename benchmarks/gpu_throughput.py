@@ -50,6 +50,7 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     requests, sets concurrency: the steady state of a server under load."""
     from zipage.engine.config import EngineConfig, SamplingParams
     from zipage.engine.core import EngineCore
+    from zipage.engine.events import Compressed
 
     engine = EngineCore(EngineConfig(model=model, compression=compression, **engine_kwargs))
     for p, n in zip(prompts, outputs):
@@ -94,7 +95,7 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     synchronize()
     seconds = time.perf_counter() - start
     generated = engine.totals["generated_tokens"]
-    durations = [e.details["seconds"] for e in engine.events if e.kind == "compressed"]
+    durations = [e.seconds for e in engine.events if isinstance(e, Compressed)]
     saturated = None
     if saturated_from and saturated_to and saturated_to[0] > saturated_from[0]:
         span = [b - a for a, b in zip(saturated_from, saturated_to)]

@@ -20,8 +20,9 @@ from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.latency import LatencyMonitor
-from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, EngineSnapshot, Event,
-                           MemoryInfo, PoolInfo, RequestInfo, ThroughputMeter)
+from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, Admitted, Aborted,
+                                  Compressed, EngineSnapshot, Event, Failed, Finished, MemoryInfo, PoolInfo, Preempted,
+                                  Prefilled, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
 from zipage.engine.model_runner import ModelRunner, resolve_device
 from zipage.engine.models.parallel import TensorParallel, check_tensor_parallel
@@ -205,15 +206,15 @@ class EngineCore:
             return outputs
         now = time.monotonic()
         for seq in batch.admitted:
-            self._event("admitted", seq, prompt_tokens=seq.num_prompt_tokens,
-                        cached_tokens=seq.num_cached_prefix_tokens, blocks=len(seq.block_table))
+            self._log(Admitted(request=seq.id, time=time.time(), prompt_tokens=seq.num_prompt_tokens,
+                               cached_tokens=seq.num_cached_prefix_tokens, blocks=len(seq.block_table)))
             self.totals["prefix_hit_tokens"] += seq.num_cached_prefix_tokens
             self.latency.admitted(seq.arrival_time, seq.num_prompt_tokens, seq.num_cached_prefix_tokens,
                                   first_time=seq.num_preemptions == 0)
         for seq in batch.preempted:
             self.totals["preemptions"] += 1
             self.latency.count("preemptions")
-            self._event("preempted", seq, output_tokens=seq.num_output_tokens)
+            self._log(Preempted(request=seq.id, time=time.time(), output_tokens=seq.num_output_tokens))
         for seq in batch.exhausted:  # longer than the whole pool: it can never run again
             outputs.append(self._finish(seq, "length", error="the KV pool cannot hold this request any longer"))
         for job in batch.compress:
@@ -234,8 +235,8 @@ class EngineCore:
             seq.computed(n)
             self.blocks.commit_full_blocks(seq)
             if batch.is_prefill and not seq.in_prefill:
-                self._event("prefilled", seq, tokens=seq.num_computed_tokens,
-                            seconds=round(time.monotonic() - now, 4))
+                self._log(Prefilled(request=seq.id, time=time.time(), tokens=seq.num_computed_tokens,
+                                    seconds=round(time.monotonic() - now, 4)))
             token = tokens[i]
             if token is None:
                 continue
@@ -285,9 +286,10 @@ class EngineCore:
         self.compressor.apply(job)
         self.totals["compressions"] += 1
         self.latency.count("compressions")
-        self._event("compressed", seq, blocks_before=len(job.source_table), blocks_after=len(seq.block_table),
-                    tokens_before=job.kv_len, tokens_after=seq.kv_len, evicted_per_layer=job.kv_len - seq.kv_len,
-                    recent_kept=self.compressor.recent, times=seq.times_compressed, seconds=round(job.duration, 5))
+        self._log(Compressed(request=seq.id, time=time.time(), blocks_before=len(job.source_table),
+                             blocks_after=len(seq.block_table), tokens_before=job.kv_len, tokens_after=seq.kv_len,
+                             evicted_per_layer=job.kv_len - seq.kv_len, recent_kept=self.compressor.recent,
+                             times=seq.times_compressed, seconds=round(job.duration, 5)))
         return []
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput | None:
@@ -319,9 +321,9 @@ class EngineCore:
         self.latency.finished(seq.id)
         if reason == "abort":
             self.latency.count("aborts")
-        kind = {"abort": "aborted", "error": "error"}.get(reason, "finished")
-        self._event(kind, seq, reason=reason, output_tokens=seq.num_output_tokens,
-                    **({"error": error} if error else {}))
+        kind = {"abort": Aborted, "error": Failed}.get(reason, Finished)
+        self._log(kind(request=seq.id, time=time.time(), reason=reason, output_tokens=seq.num_output_tokens,
+                       error=error))
         detok = self.detokenizers.pop(seq.id, None)
         if detok is not None:
             delta = detok.finish(seq.params.stop_strings_in_output)
@@ -346,8 +348,8 @@ class EngineCore:
         return RequestOutput(seq.id, seq.session, prompt_ids, output_ids, text, delta, finished,
                              seq.finish_reason, seq.error, metrics, num_output_tokens=seq.num_output_tokens)
 
-    def _event(self, kind: str, seq: Sequence | None, **details) -> None:
-        self.events.append(Event(kind, seq.id if seq else None, time.time(), details))
+    def _log(self, event: Event) -> None:
+        self.events.append(event)
         self.event_count += 1
 
     # -- observation -------------------------------------------------------------------

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Mapping
 
-EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")
+EVENT_KINDS = ("admitted", "prefilled", "compressed", "preempted", "finished", "aborted", "error")  # EVENT_TYPES' keys
 
 # Block roles as drawn by the console.
 ROLE_SHARED = "shared"  # a prefix block other requests reference too (never written)
@@ -22,10 +22,79 @@ ROLE_DECODE = "decode"  # the fresh block a compressed request decodes into
 
 @dataclass(frozen=True)
 class Event:
-    kind: str
+    """Something that happened to one request. Each kind is a subclass with typed fields: observers
+    match on the class (or read `kind`), never on dictionary keys."""
+
     request: int | None
     time: float
-    details: Mapping[str, Any] = field(default_factory=dict)
+    kind: ClassVar[str] = "event"
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """The kind's own fields (all but request and time), for logs and the wire format."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("request", "time")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admitted(Event):
+    kind: ClassVar[str] = "admitted"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served by the prefix cache
+    blocks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prefilled(Event):
+    kind: ClassVar[str] = "prefilled"
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compressed(Event):
+    kind: ClassVar[str] = "compressed"
+    blocks_before: int
+    blocks_after: int
+    tokens_before: int  # KV entries per layer and head before, and kept after
+    tokens_after: int
+    evicted_per_layer: int
+    recent_kept: int  # of the kept entries, how many were kept for being the newest
+    times: int  # the request's compressions so far, this one included
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempted(Event):
+    kind: ClassVar[str] = "preempted"
+    output_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(Event):
+    kind: ClassVar[str] = "finished"
+    reason: str  # "stop" | "length"
+    output_tokens: int
+    error: str | None = None  # why a request ended early on its own (e.g. it outgrew the pool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Aborted(Event):
+    kind: ClassVar[str] = "aborted"
+    reason: str
+    output_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(Event):
+    kind: ClassVar[str] = "error"
+    reason: str
+    output_tokens: int
+    error: str | None = None
+
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in
+                                       (Admitted, Prefilled, Compressed, Preempted, Finished, Aborted, Failed)}
 
 
 @dataclass(frozen=True)
@@ -147,7 +216,10 @@ def event_to_dict(event: Event) -> dict:
 
 
 def event_from_dict(data: Mapping[str, Any]) -> Event:
-    return Event(data["kind"], data.get("request"), data["time"], dict(data.get("details") or {}))
+    kind = EVENT_TYPES.get(data["kind"])
+    if kind is None:
+        raise ValueError(f"unknown event kind {data['kind']!r}")
+    return kind(request=data.get("request"), time=data["time"], **dict(data.get("details") or {}))
 
 
 def snapshot_to_dict(snapshot: EngineSnapshot) -> dict:
@@ -166,4 +238,11 @@ def snapshot_from_dict(data: Mapping[str, Any]) -> EngineSnapshot:
         time=data["time"], step=data["step"], model=data["model"], device=data["device"],
         compression=data["compression"], requests=requests, pool=pool, memory=MemoryInfo(**data["memory"]),
         throughput=Throughput(**data["throughput"]), events=tuple(event_from_dict(e) for e in data["events"]),
-        waiting=data["waiting"], running=data["running"], totals=dict(data.get("totals") or {}))
+        waiting=data["waiting"], running=data["running"], totals=dict(data.get("totals") or {}),
+        latency=_latency_from_dict(data.get("latency") or {}))
+
+
+def _latency_from_dict(data: Mapping[str, Any]) -> Latency:
+    windows = tuple(LatencyWindow(**{**w, **{k: Percentiles(**w[k]) for k in ("ttft", "itl", "queue")}})
+                    for w in data.get("windows", ()))
+    return Latency(windows=windows, stalled=data.get("stalled", False), since_last_step=data.get("since_last_step"))

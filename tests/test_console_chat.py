@@ -280,16 +280,15 @@ def test_newest_message_stays_in_view_after_a_resize(engine):
 
 
 def test_event_lines_are_never_cut():
-    from zipage.engine.events import Event
+    from zipage.engine.events import Compressed
 
     async def run():
         app = ChatApp(EngineThread("random:llama-tiny", **KNOBS))
         try:
             async with app.run_test(size=(120, 40)) as pilot:
                 log = app.query_one(EventLog)
-                details = dict(blocks_before=9, blocks_after=9, tokens_before=288, tokens_after=256,
-                               evicted_per_layer=32, recent_kept=192, times=1, seconds=0.004)
-                log.add([Event("compressed", 7, time.time(), details)])
+                log.add([Compressed(request=7, time=time.time(), blocks_before=9, blocks_after=9, tokens_before=288,
+                                    tokens_after=256, evicted_per_layer=32, recent_kept=192, times=1, seconds=0.004)])
                 await pilot.pause()
                 shown = " ".join(str(log.render()).split())
                 assert "#7 compressed 288→256 entries per layer (192 newest + 64 by score), blocks 9→9 (4.0 ms)" in shown

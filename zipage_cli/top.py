@@ -25,7 +25,8 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Static
 
 from zipage.engine.config import SamplingParams
-from zipage.engine.events import EngineSnapshot, Event, RequestInfo
+from zipage.engine.events import (Aborted, Admitted, Compressed, EngineSnapshot, Event, Failed, Finished, Preempted,
+                                  Prefilled, RequestInfo)
 from zipage.engine.service import EngineThread
 from zipage.cli.themes import ThemedApp
 from zipage.cli.widgets import PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, describe_event, drain
@@ -162,8 +163,7 @@ def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Eve
         lines += explain_request(target, old.get(target), new.get(target), mine, pool.block_size)
         earlier = (last_compression or {}).get(target)
         if earlier is not None and not any(e.kind == "compressed" for e in mine) and target in new:
-            lines.append(f"#{target}'s latest compression (its {_nth(earlier.details.get('times', 0))}): "
-                         + compression_words(earlier.details))
+            lines.append(f"#{target}'s latest compression (its {_nth(earlier.times)}): " + compression_words(earlier))
     others = [e for e in events if e.request != target]
     if others:
         lines.append("")
@@ -177,29 +177,27 @@ def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | N
                     block_size: int) -> list[str]:
     lines = []
     for e in events:
-        d = e.details
-        if e.kind == "admitted":
-            cached = d.get("cached_tokens", 0)
-            lines.append(f"#{rid} was admitted: its {d.get('prompt_tokens')}-token prompt got {d.get('blocks')} "
-                         f"block(s) of {block_size} slots" + (f", {cached} tokens reused from the prefix cache."
-                                                              if cached else "."))
-        elif e.kind == "prefilled":
-            lines.append(f"#{rid} was prefilled: {d.get('tokens')} tokens computed in one pass "
-                         f"({1000 * d.get('seconds', 0):.0f} ms), and its first answer token sampled.")
-        elif e.kind == "compressed":
-            held = after.block_table if after else ()
-            targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
-            decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
-            lines.append(f"#{rid} was compressed this step: " + compression_words(d))
-            if targets:
-                lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
-                             + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
-        elif e.kind == "preempted":
-            lines.append(f"#{rid} was preempted: the pool ran out of free blocks, so its blocks were freed and it "
-                         "went back to the waiting queue, to be recomputed once blocks free up.")
-        elif e.kind in ("finished", "aborted", "error"):
-            lines.append(f"#{rid} {describe_event(e)}; its blocks went back to the pool "
-                         "(full ones stay findable by the prefix cache until reused).")
+        match e:
+            case Admitted(prompt_tokens=prompt, blocks=blocks, cached_tokens=cached):
+                lines.append(f"#{rid} was admitted: its {prompt}-token prompt got {blocks} block(s) of {block_size} "
+                             "slots" + (f", {cached} tokens reused from the prefix cache." if cached else "."))
+            case Prefilled(tokens=tokens, seconds=seconds):
+                lines.append(f"#{rid} was prefilled: {tokens} tokens computed in one pass "
+                             f"({1000 * seconds:.0f} ms), and its first answer token sampled.")
+            case Compressed():
+                held = after.block_table if after else ()
+                targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
+                decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
+                lines.append(f"#{rid} was compressed this step: " + compression_words(e))
+                if targets:
+                    lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
+                                 + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
+            case Preempted():
+                lines.append(f"#{rid} was preempted: the pool ran out of free blocks, so its blocks were freed and "
+                             "it went back to the waiting queue, to be recomputed once blocks free up.")
+            case Finished() | Aborted() | Failed():
+                lines.append(f"#{rid} {describe_event(e)}; its blocks went back to the pool "
+                             "(full ones stay findable by the prefix cache until reused).")
     if after is None or any(e.kind in ("finished", "aborted", "error", "preempted") for e in events):
         return lines or [f"#{rid} is no longer in the engine."]
     if before is not None:
@@ -238,16 +236,15 @@ def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Ev
     return lines
 
 
-def compression_words(d) -> str:
-    """One compression, from its event's details: entries evicted and kept (newest / by score), blocks."""
-    before, kept, recent = d.get("tokens_before", 0), d.get("tokens_after", 0), d.get("recent_kept", 0)
-    blocks_before, blocks_after = d.get("blocks_before", 0), d.get("blocks_after", 0)
-    return (f"every layer and KV head evicted {d.get('evicted_per_layer', before - kept)} of its {before} cached "
-            f"entries and kept {kept}: the {min(recent, kept)} newest, plus the {max(0, kept - recent)} older ones "
-            f"that scored highest. Its block table went from {blocks_before} to {blocks_after} blocks"
+def compression_words(c: Compressed) -> str:
+    """One compression: entries evicted and kept (newest / by score), blocks."""
+    recent = min(c.recent_kept, c.tokens_after)
+    return (f"every layer and KV head evicted {c.evicted_per_layer} of its {c.tokens_before} cached "
+            f"entries and kept {c.tokens_after}: the {recent} newest, plus the {c.tokens_after - recent} older ones "
+            f"that scored highest. Its block table went from {c.blocks_before} to {c.blocks_after} blocks"
             + (" (the same count: the kept entries were packed into target blocks and one fresh block takes "
-               "the next tokens)" if blocks_before == blocks_after else "")
-            + f"; {1000 * d.get('seconds', 0):.1f} ms.")
+               "the next tokens)" if c.blocks_before == c.blocks_after else "")
+            + f"; {1000 * c.seconds:.1f} ms.")
 
 
 def _nth(n: int) -> str:

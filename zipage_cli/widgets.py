@@ -21,7 +21,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Sparkline, Static
 
-from zipage.engine.events import EVENT_KINDS, EngineSnapshot, Event, Latency, RequestInfo
+from zipage.engine.events import (EVENT_KINDS, Aborted, Admitted, Compressed, Failed, Finished, Preempted,
+                                  Prefilled, EngineSnapshot, Event, Latency, RequestInfo)
 from zipage.engine.latency import STALL_S
 
 ROLES = ("shared", "reused", "private", "target", "decode")
@@ -82,23 +83,23 @@ def fmt_rate(tok_s: float) -> str:
 
 def describe_event(event: Event) -> str:
     """One plain line for an engine event (the log and the teaching notes both use it)."""
-    d = event.details
-    if event.kind == "admitted":
-        cached = d.get("cached_tokens", 0)
-        return (f"admitted: {d.get('prompt_tokens')}-token prompt, {d.get('blocks')} blocks"
-                + (f", {cached} tokens cached" if cached else ""))
-    if event.kind == "prefilled":
-        return f"prefilled {d.get('tokens')} tokens ({1000 * d.get('seconds', 0):.0f} ms)"
-    if event.kind == "compressed":
-        kept, recent = d.get("tokens_after", 0), d.get("recent_kept", 0)
-        return (f"compressed {d.get('tokens_before')}→{kept} entries per layer ({min(recent, kept)} newest + "
-                f"{max(0, kept - recent)} by score), blocks {d.get('blocks_before')}→{d.get('blocks_after')} "
-                f"({1000 * d.get('seconds', 0):.1f} ms)")
-    if event.kind == "preempted":
-        return f"preempted after {d.get('output_tokens')} tokens: blocks freed, requeued"
-    if event.kind == "error":
-        return f"error: {d.get('error', '?')}"
-    return f"{event.kind} ({d.get('reason', '')}, {d.get('output_tokens', 0)} tokens)"
+    match event:
+        case Admitted(prompt_tokens=prompt, blocks=blocks, cached_tokens=cached):
+            return f"admitted: {prompt}-token prompt, {blocks} blocks" + (f", {cached} tokens cached" if cached else "")
+        case Prefilled(tokens=tokens, seconds=seconds):
+            return f"prefilled {tokens} tokens ({1000 * seconds:.0f} ms)"
+        case Compressed() as c:
+            recent = min(c.recent_kept, c.tokens_after)
+            return (f"compressed {c.tokens_before}→{c.tokens_after} entries per layer ({recent} newest + "
+                    f"{c.tokens_after - recent} by score), blocks {c.blocks_before}→{c.blocks_after} "
+                    f"({1000 * c.seconds:.1f} ms)")
+        case Preempted(output_tokens=tokens):
+            return f"preempted after {tokens} tokens: blocks freed, requeued"
+        case Failed(error=error):
+            return f"error: {error or '?'}"
+        case Finished() | Aborted():
+            return f"{event.kind} ({event.reason}, {event.output_tokens} tokens)"
+    return event.kind
 
 
 class RoleStyled(Static):
