@@ -70,27 +70,24 @@ class Preempted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Finished(Event):
-    kind: ClassVar[str] = "finished"
-    reason: str  # "stop" | "length"
+class Ended(Event):
+    """A request left the engine; its subclass says how."""
+
+    reason: str  # the request's finish reason
     output_tokens: int
-    error: str | None = None  # why a request ended early on its own (e.g. it outgrew the pool)
+    error: str | None = None  # the cause of an error, or why a request ended early on its own
 
 
-@dataclass(frozen=True, kw_only=True)
-class Aborted(Event):
+class Finished(Ended):
+    kind: ClassVar[str] = "finished"  # "stop" or "length" (error set when it outgrew the pool)
+
+
+class Aborted(Ended):
     kind: ClassVar[str] = "aborted"
-    reason: str
-    output_tokens: int
-    error: str | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class Failed(Event):
+class Failed(Ended):
     kind: ClassVar[str] = "error"
-    reason: str
-    output_tokens: int
-    error: str | None = None
 
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in

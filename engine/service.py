@@ -106,6 +106,31 @@ class EventQueue(queue.Queue):
                     pass
 
 
+class Subscribers:
+    """The event queues of every observer, fed from one thread and read from others."""
+
+    def __init__(self):
+        self._queues: list[EventQueue] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
+        q = EventQueue(maxsize)
+        with self._lock:
+            self._queues.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue) -> None:
+        with self._lock:
+            if q in self._queues:
+                self._queues.remove(q)
+
+    def publish(self, events: list[Event]) -> None:
+        with self._lock:
+            for q in self._queues:
+                for event in events:
+                    q.offer(event)
+
+
 class EngineClosed(RuntimeError):
     """The engine no longer takes requests: it was closed, or its thread failed (see the message)."""
 
@@ -119,8 +144,7 @@ class EngineThread:
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
-        self._subscribers: list[EventQueue] = []
-        self._lock = threading.Lock()
+        self._subscribers = Subscribers()
         # Taken to post to the inbox and to close it: nothing can land in the inbox after the loop's
         # last drain, so no caller ever waits for a reply that will not come.
         self._inbox_lock = threading.Lock()
@@ -185,15 +209,10 @@ class EngineThread:
     def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
         """A queue that receives every engine Event from now on (the oldest are dropped, and
         counted in its `dropped`, once `maxsize` wait unread)."""
-        q = EventQueue(maxsize)
-        with self._lock:
-            self._subscribers.append(q)
-        return q
+        return self._subscribers.subscribe(maxsize)
 
     def unsubscribe(self, q: queue.Queue) -> None:
-        with self._lock:
-            if q in self._subscribers:
-                self._subscribers.remove(q)
+        self._subscribers.unsubscribe(q)
 
     # Teaching mode: hold the loop and advance it one step at a time.
     def pause(self) -> None:
@@ -343,10 +362,7 @@ class EngineThread:
         now = time.monotonic()
         new_events = self._new_events()
         if new_events:
-            with self._lock:
-                for q in self._subscribers:
-                    for event in new_events:
-                        q.offer(event)
+            self._subscribers.publish(new_events)
         if force or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
             self._snapshot = self.engine.snapshot()
             self._snapshot_time = now

@@ -20,7 +20,7 @@ import httpx
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import RequestOutput
 from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
-from zipage.engine.service import RequestHandle
+from zipage.engine.service import RequestHandle, Subscribers
 from zipage.cli.server import REQUEST_ID_HEADER
 
 POLL_S = 0.25  # snapshot refresh, the rate EngineThread publishes at
@@ -46,7 +46,7 @@ class RemoteEngine:
             known = {f.name for f in fields(EngineConfig)}
             self.config = EngineConfig(**{k: v for k, v in self._get(client, "/zipage/config").items() if k in known})
             self._snapshot = snapshot_from_dict(self._get(client, "/zipage/snapshot"))
-        self._subscribers: list[queue.Queue] = []
+        self._subscribers = Subscribers()
         self._handles: set[RemoteHandle] = set()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -101,10 +101,7 @@ class RemoteEngine:
                     response.raise_for_status()
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
-                            event = event_from_dict(json.loads(line[6:]))
-                            with self._lock:
-                                for q in self._subscribers:
-                                    q.put(event)
+                            self._subscribers.publish([event_from_dict(json.loads(line[6:]))])
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 self.error = f"lost the event stream of {self.url}: {e}"
             await asyncio.sleep(RETRY_S)
@@ -122,15 +119,10 @@ class RemoteEngine:
         return self._snapshot
 
     def subscribe(self) -> queue.Queue:
-        q: queue.Queue = queue.Queue()
-        with self._lock:
-            self._subscribers.append(q)
-        return q
+        return self._subscribers.subscribe()
 
     def unsubscribe(self, q: queue.Queue) -> None:
-        with self._lock:
-            if q in self._subscribers:
-                self._subscribers.remove(q)
+        self._subscribers.unsubscribe(q)
 
     def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RemoteHandle:
         """Chat messages go to /v1/chat/completions, text or token ids to /v1/completions. The server's
