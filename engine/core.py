@@ -28,7 +28,7 @@ from zipage.engine.model_runner import ModelRunner, resolve_device
 from zipage.engine.models.parallel import TensorParallel, check_tensor_parallel
 from zipage.engine.tp_workers import TensorParallelWorkers
 from zipage.engine.scheduler import Scheduler
-from zipage.engine.sequence import Sequence, Status
+from zipage.engine.sequence import Sequence
 
 DEFAULT_MAX_MODEL_LEN = 32768
 EVENT_LOG_SIZE = 2000

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from compression_helpers import build_random_model, generate, make_engine, random_prompts, run
+from compression_helpers import build_random_model, generate, random_prompts
 from zipage.engine.geometry import CompressionGeometry
 
 torch.set_num_threads(1)

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
+from console_helpers import KNOBS, type_line, wait_for
 from zipage.engine.service import EngineThread
 from zipage.cli.chat import REFRESH_S, ChatApp, Message
 from zipage.cli.widgets import BlockTable, EventLog, HelpScreen
 
 # Tiny blocks and budget so a short answer already gets compressed.
-KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
 
 
 @pytest.fixture(scope="module")
@@ -21,19 +21,6 @@ def engine():
     service = EngineThread("random:llama-tiny", **KNOBS)
     yield service
     service.close()
-
-
-async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.02)
-
-
-async def type_line(pilot, text: str) -> None:
-    await pilot.press(*text)
-    await pilot.press("enter")
 
 
 def replies(app: ChatApp, index: int) -> list[Message]:

@@ -4,17 +4,15 @@ no key may end the app, and the keys that guard work (send to all, close, stop, 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from textual.screen import ModalScreen
 
+from console_helpers import KNOBS, wait_for
 from zipage.engine.service import EngineThread
 from zipage.cli.chat import ChatApp
 from zipage.cli.top import TopApp
 from zipage.cli.widgets import ConfirmScreen, HelpScreen
-
-KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +21,6 @@ def engine():
     yield service
     service.resume()
     service.close()
-
-
-async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.02)
 
 
 def keys_of(app) -> list[str]:

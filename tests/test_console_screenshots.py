@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 import pytest
 
+from console_helpers import type_line, wait_for
 from zipage.engine.config import SamplingParams
 from zipage.engine.service import EngineThread
 from zipage.cli.chat import ChatApp, Message
@@ -36,18 +36,6 @@ def out_dir(tmp_path) -> Path:
     return Path(folder) if folder else tmp_path
 
 
-async def wait_for(pilot, condition, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        await pilot.pause(0.05)
-
-
-async def say(pilot, text: str) -> None:
-    await pilot.press(*text)
-    await pilot.press("enter")
-
-
 def check_svg(path: Path, *needles: str) -> None:
     svg = path.read_text()
     assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
@@ -69,7 +57,7 @@ def test_chat_screenshot(smol, out_dir, size):
         app = ChatApp(smol, sessions=2, temperature=0.0, max_tokens=400)
         async with app.run_test(size=SIZES[size]) as pilot:
             first, second = app.sessions.values()
-            await say(pilot, "What is the capital of France?")  # typed: the pilot waits for the answer
+            await type_line(pilot, "What is the capital of France?")  # typed: the pilot waits for the answer
             await wait_for(pilot, lambda: not first.busy)
             # Asked directly, so both answers are still streaming when the picture is taken.
             app.ask(first, "Write a short story about a robot who learns to paint.")

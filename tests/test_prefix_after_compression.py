@@ -104,7 +104,7 @@ class CompactionWatch:
     another live request maps, and checks after it that none of them changed."""
 
     def __init__(self, engine):
-        self.engine, self.checked = engine, 0
+        self.engine, self.checked, self.compactions = engine, 0, 0
         inner = engine.compressor.execute
 
         def execute(job):
@@ -114,6 +114,7 @@ class CompactionWatch:
             after = engine.runner.kv_cache[:, :, protected]
             assert torch.equal(before, after), "compaction wrote a block the cache or another request maps"
             self.checked += len(protected)
+            self.compactions += 1
 
         engine.compressor.execute = execute
 
@@ -152,6 +153,7 @@ def test_random_arrivals_sharing_prefixes_keep_exact_accounting(model_path, requ
             step += 1
         assert not engine.has_work()
         assert all(o.finish_reason == "length" for o in finished.values())
+        assert watch.compactions == engine.totals["compressions"]
         assert_drained(engine)
     finally:
         engine.close()

@@ -1,0 +1,23 @@
+"""Shared by the console tests: engine knobs for a tiny random model whose short answers already get
+compressed, and pilot helpers. Deadlines only turn a hang into a failure: no test depends on speed."""
+
+from __future__ import annotations
+
+import time
+
+KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+HANG_S = 120.0
+
+
+async def wait_for(pilot, condition, timeout: float = HANG_S, what: str = "condition"):
+    """Let the app run until `condition()` holds."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def type_line(pilot, text: str) -> None:
+    await pilot.press(*text)
+    await pilot.press("enter")
