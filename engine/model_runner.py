@@ -13,7 +13,7 @@ from zipage.engine.compressor import compression_point
 from zipage.engine.cuda_graphs import DecodeGraphs
 from zipage.engine.models import CausalLM, ForwardBatch, head_dim_of
 from zipage.engine.models.parallel import TensorParallel
-from zipage.engine.sampler import Sampler
+from zipage.engine.sampler import Sampler, upload
 from zipage.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +69,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
 
         if self.device.type == "cuda":
-            import kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
+            import zipage.kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
         torch.manual_seed(config.seed)
         # Build straight on the device in the serving dtype: no full-precision copy in host memory.
         previous_dtype = torch.get_default_dtype()
@@ -84,6 +84,7 @@ class ModelRunner:
         else:
             model.load_weights(source.load_weights())
         self.model = model.eval()
+        self.model.rope.reserve(max_model_len)
         self.sampler = Sampler(config.seed)
         self.logits_observer = None  # callable(seq, logits_row) for evaluation; None in serving
 
@@ -267,7 +268,7 @@ class ModelRunner:
         if not rows:
             return None
         if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[upload(rows, self.device)]
         return self.model.logits(hidden)
 
     @torch.inference_mode()

@@ -199,3 +199,65 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     v_flat[dst] = kept_v
     if score_cache is not None and kept_scores is not None:
         score_cache[dst] = kept_scores.t().to(score_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The elementwise chains around the matrix products of a decoder layer. Each is one fused kernel
+# on CUDA; here they keep the exact operation order of the Hugging Face models (normalise in fp32,
+# scale in the input dtype; RoPE in the input dtype), so the CPU engine matches transformers.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalised in fp32, cast back, then scaled by weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream and the next sublayer's input."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, 2 * n] holds gate then up: silu(gate) * up, [tokens, n]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
+    """Everything between the QKV projection and attention, for one layer.
+
+    qkv [tokens, (q_heads + 2 * kv_heads) * head_dim] is split into q, k, v; q and k get the per-head
+    RMSNorm (when q_norm/k_norm are given, Qwen3) and rotary embedding (cos, sin: [max_positions,
+    head_dim] float tables, read at `positions`); k and v are stored into their cache slots (-1
+    skips) and q into its query-cache row when query_slot_mapping is given (-1 skips).
+    Returns q [tokens, q_heads, head_dim] in qkv's dtype.
+    """
+    tokens = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[2:]
+    q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, q_heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    c = cos[positions].to(qkv.dtype)[:, None, :]
+    s = sin[positions].to(qkv.dtype)[:, None, :]
+    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if query_slot_mapping is not None:
+        store_queries(q, query_cache, query_slot_mapping)
+    return q
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

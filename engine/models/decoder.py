@@ -43,21 +43,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as the reference models do.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables over every position up to `length`, built once per device (a forward only
+    reads rows of them), in float32 whatever the model's dtype."""
+
     def __init__(self, hf_config, head_dim: int):
         super().__init__()
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = params.get("rope_type", "default")
         theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         if rope_type == "default":
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                                        / head_dim))
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -65,24 +69,26 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq.float()
         self.scaling = float(scaling)
+        self.length = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.scaling).to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def reserve(self, length: int) -> None:
+        """Make the tables cover positions below `length` (the engine's max_model_len)."""
+        if length > self.length:
+            self.length = length
+            self._tables = None
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [length, head_dim] float32, the two halves repeating the frequencies."""
+        if self._tables is None or self._tables[0].device != device:
+            positions = torch.arange(self.length, device=device, dtype=torch.int64).float()
+            freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._tables = ((emb.cos() * self.scaling).contiguous(), (emb.sin() * self.scaling).contiguous())
+        return self._tables
 
 
 class Attention(nn.Module):
@@ -107,19 +113,16 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
-        if batch.query_slot_mapping is not None and batch.query_cache:
-            kernels.store_queries(q, batch.query_cache[self.layer_index], batch.query_slot_mapping)
+        store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
+        q = kernels.qk_norm_rope_store(
+            self.qkv_proj(hidden), positions, *rope_tables,
+            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
+            batch.query_cache[self.layer_index] if store_queries else None,
+            batch.query_slot_mapping if store_queries else None)
         if batch.is_prefill:
             out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                             batch.cu_seqlens_q, batch.context_lens, self.scale)
@@ -138,8 +141,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -150,9 +152,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, positions, rope, batch):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, rope_tables, batch):
+        """The residual stream travels beside the sublayer outputs, so each residual add fuses
+        with the norm after it: returns (this layer's MLP output, the stream before adding it)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+        normed, residual = self.post_attention_layernorm.add(
+            self.self_attn(normed, positions, rope_tables, batch), residual)
+        return self.mlp(normed), residual
 
 
 class DecoderBody(nn.Module):
@@ -184,10 +193,11 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self._embed(input_ids)
+        hidden, residual = self._embed(input_ids), None
+        rope_tables = self.rope.tables(hidden.device)
         for layer in self.model.layers:
-            hidden = layer(hidden, positions, self.rope, batch)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, rope_tables, batch)
+        return self.model.norm.add(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
