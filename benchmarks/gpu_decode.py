@@ -13,9 +13,9 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
   loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
---variants picks the elementwise kernels: fused (the Triton kernels the engine registers),
-reference (the PyTorch reference chains, several kernels each) or compile (the reference chains
-through torch.compile, K/V stores through Triton).
+--variants picks the layer chains: fused (the Triton kernels the engine registers), reference
+(the PyTorch reference chains, several kernels each) or compile (the reference chains through
+torch.compile); K/V stores go through Triton in all three.
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
 
 
 def use_variant(variant: str) -> None:
+    """Route the layer chains through one implementation (see the module docstring)."""
     from zipage import kernels
     from zipage.kernels import reference, triton_cache, triton_ops
 
     triton_ops.register()
     if variant == "fused":
         return
-    for name in FUSED_NAMES:
-        kernels.TRITON_IMPLS.pop(name, None)
-    if variant == "reference":
-        return
-    if variant != "compile":
+    if variant not in ("reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")
+    compile_ = torch.compile if variant == "compile" else (lambda fn, **_: fn)
 
     def norm_rope(qkv, positions, cos, sin, q_norm, k_norm, eps, kv_heads: int, head_dim: int):
         tokens = qkv.shape[0]
@@ -57,21 +55,20 @@ def use_variant(variant: str) -> None:
         s = sin[positions].to(qkv.dtype)[:, None, :]
         return reference._rotate(q, c, s), reference._rotate(k, c, s), v.view(tokens, kv_heads, head_dim)
 
-    compiled_norm_rope = torch.compile(norm_rope, dynamic=True)
+    chain = compile_(norm_rope, dynamic=True)
 
     def qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
                            query_cache, query_slot_mapping):
-        q, k, v = compiled_norm_rope(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache.shape[2],
-                                     k_cache.shape[3])
-        triton_cache.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        q, k, v = chain(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache.shape[2], k_cache.shape[3])
+        triton_cache.store_kv(k, v, k_cache, v_cache, slot_mapping)  # graph safe, unlike the reference's
         if query_slot_mapping is not None:
             triton_cache.store_queries(q, query_cache, query_slot_mapping)
         return q
 
     kernels.TRITON_IMPLS.update(
-        rms_norm=torch.compile(reference.rms_norm, dynamic=True),
-        add_rms_norm=torch.compile(reference.add_rms_norm, dynamic=True),
-        silu_and_mul=torch.compile(reference.silu_and_mul, dynamic=True),
+        rms_norm=compile_(reference.rms_norm, dynamic=True),
+        add_rms_norm=compile_(reference.add_rms_norm, dynamic=True),
+        silu_and_mul=compile_(reference.silu_and_mul, dynamic=True),
         qk_norm_rope_store=qk_norm_rope_store)
 
 
@@ -123,6 +120,24 @@ def count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def kernel_breakdown(fn, top: int = 12) -> list[dict]:
+    """GPU time per kernel name over one call of fn, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            row = totals.setdefault(e.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "count": c, "us": round(us, 1)} for k, (c, us) in rows]
+
+
 def replay_ms(graph, repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
@@ -151,7 +166,7 @@ def step_profile(engine, seed: int) -> dict:
         engine.step()
     runner = engine.runner
     graphs = runner.graphs
-    result = {"graph_kernels_per_step": count_kernels(engine.step)}
+    result = {"graph_kernels_per_step": count_kernels(engine.step), "graph_step_kernels": kernel_breakdown(engine.step)}
     runner.graphs = None
     result["eager_kernels_per_step"] = count_kernels(engine.step)
     result["eager_step_ms_median"] = statistics.median(timed_steps(engine, 30))
@@ -233,8 +248,13 @@ def main(argv=None) -> dict:
         use_variant(variant)
         r = results["variants"][variant] = {}
         start = time.perf_counter()
-        engine = EngineCore(EngineConfig(model=args.model, device=args.device, compression=bool(args.compression),
-                                         seed=args.seed))
+        try:
+            engine = EngineCore(EngineConfig(model=args.model, device=args.device,
+                                             compression=bool(args.compression), seed=args.seed))
+        except Exception as e:  # record and go on to the next variant
+            r["error"] = f"{type(e).__name__}: {e}"
+            log(f"  error: {r['error']}")
+            continue
         r["startup_s"] = time.perf_counter() - start
         log(f"{args.model} {variant}: engine up in {r['startup_s']:.1f} s")
         try:

@@ -193,9 +193,6 @@ class ModelRunner:
         return int(peak)
 
     # -- one step -------------------------------------------------------------------
-    def _slot(self, seq, kv_index: int) -> int:
-        return seq.block_table[kv_index // self.block_size] * self.block_size + kv_index % self.block_size
-
     def _query_rows(self, seq, kv_range: range, is_prefill: bool) -> list[int]:
         """Query-cache row of each new KV entry, or -1. Entries among the last w before the next
         compression point are kept, in row j % w of the request's slot."""
@@ -211,30 +208,40 @@ class ModelRunner:
         needs to rebuild the forward), and the batch index of each sampling row."""
         input_ids, positions, slots, context_lens, cu, sample_rows, sampling = [], [], [], [], [0], [], []
         query_rows, any_query = [], False
+        bs = self.block_size
+        # Plain list appends: at batch 256 this loop is on every decode step's critical path.
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            kv_range = range(seq.kv_len, seq.kv_len + n)
-            slots += [self._slot(seq, j) for j in kv_range]
+            start, kv, table = seq.num_computed_tokens, seq.kv_len, seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[kv // bs] * bs + kv % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[j // bs] * bs + j % bs for j in range(kv, kv + n)]
             if self.compression:
-                rows = self._query_rows(seq, kv_range, batch.is_prefill)
+                rows = self._query_rows(seq, range(kv, kv + n), batch.is_prefill)
                 any_query = any_query or any(r >= 0 for r in rows)
                 query_rows += rows
-            context_lens.append(seq.kv_len + n)
+            context_lens.append(kv + n)
             cu.append(cu[-1] + n)
             if batch.samples(i):
                 sampling.append(i)
                 sample_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [x for s in batch.seqs for x in s.block_table + [-1] * (width - len(s.block_table))]
+        tables = []
+        for seq in batch.seqs:
+            tables += seq.block_table
+            if len(seq.block_table) < width:
+                tables += [-1] * (width - len(seq.block_table))
         if not any_query:
             query_rows = []
         parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
         # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
-        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
-                              pin_memory=self.device.type == "cuda")
+        packed = torch.tensor(input_ids + positions + slots + context_lens + parts[4] + query_rows + tables,
+                              dtype=torch.int64, pin_memory=self.device.type == "cuda")
         header = dict(is_prefill=batch.is_prefill, sizes=[len(p) for p in parts], width=width,
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
