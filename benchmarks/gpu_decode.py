@@ -150,6 +150,22 @@ def replay_ms(graph, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
+def host_profile(engine, steps: int, path: str | None) -> None:
+    """cProfile of `steps` engine steps (host side), the 30 largest self times, to `path`."""
+    if not path:
+        return
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    with open(path, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+
+
 def timed_steps(engine, count: int) -> list[float]:
     times = []
     for _ in range(count):
@@ -159,7 +175,7 @@ def timed_steps(engine, count: int) -> list[float]:
     return times
 
 
-def step_profile(engine, seed: int) -> dict:
+def step_profile(engine, seed: int, profile_path: str | None = None) -> dict:
     """One request decoding: kernels per step (eager forward vs graph) and where a step's time goes."""
     seq = engine.add_request(prompts_of(1, 64, min(engine.vocab_size, 32000), seed)[0], greedy(400))
     while seq.num_output_tokens < 2:
@@ -172,6 +188,7 @@ def step_profile(engine, seed: int) -> dict:
     result["eager_step_ms_median"] = statistics.median(timed_steps(engine, 30))
     runner.graphs = graphs
     result["engine_step_ms_median"] = statistics.median(timed_steps(engine, 100))
+    host_profile(engine, 100, profile_path)
     if graphs is not None:
         result["graph_replay_ms_b1"] = replay_ms(graphs.graphs[1])
     engine.abort(seq.id)
@@ -188,12 +205,14 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / (ms * 1e-3)  # read + write
 
 
-def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int) -> dict:
+def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
+                profile_path: str | None = None) -> dict:
     seqs = [engine.add_request(p, greedy(64)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in seqs):
         engine.step()
     runner = engine.runner
     step_ms = timed_steps(engine, 20)
+    host_profile(engine, 10, profile_path)
     elem = torch.finfo(runner.dtype).bits // 8
     kv_entries = sum(s.kv_len for s in seqs)
     kv_bytes = kv_entries * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * elem
@@ -225,6 +244,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
     args = parser.parse_args(argv)
 
     from zipage.engine.config import EngineConfig
@@ -269,11 +289,12 @@ def main(argv=None) -> dict:
                     log(f"  interactive: {json.dumps(row)}")
                     save()
             if "step" in sections:
-                r["step"] = step_profile(engine, args.seed)
+                r["step"] = step_profile(engine, args.seed, args.profile_dir and f"{args.profile_dir}/host_b1_{variant}.txt")
                 log(f"  step: {json.dumps(r['step'])}")
                 save()
             if "loaded" in sections:
-                r["loaded"] = loaded_step(engine, args.loaded_batch, args.loaded_context, bandwidth, args.seed)
+                r["loaded"] = loaded_step(engine, args.loaded_batch, args.loaded_context, bandwidth, args.seed,
+                                          args.profile_dir and f"{args.profile_dir}/host_loaded_{variant}.txt")
                 log(f"  loaded: {json.dumps(r['loaded'])}")
                 save()
         except Exception as e:  # record and go on to the next variant

@@ -32,6 +32,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_rows = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.query_cache = list(query_cache.unbind(0)) if query_cache is not None and query_cache.numel() else []
+        self._query_rows_set = False
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
@@ -65,17 +66,24 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = input_ids.shape[0]
         size = next(b for b in self.buckets if b >= n)
+        width = fwd.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:size].fill_(-1)
         self.slot_mapping[:n].copy_(fwd.slot_mapping)
-        self.block_tables[:size].fill_(-1)
-        self.block_tables[:size, 0] = 0
-        self.block_tables[:n, :fwd.block_tables.shape[1]].copy_(fwd.block_tables)
-        self.context_lens[:size].fill_(1)
         self.context_lens[:n].copy_(fwd.context_lens)
-        self.query_rows[:size].fill_(-1)
+        self.block_tables[:n, :width].copy_(fwd.block_tables)
+        if width < self.table_width:
+            self.block_tables[:n, width:].fill_(-1)
+        if n < size:  # padding rows write nowhere and read one entry of block 0
+            self.slot_mapping[n:size].fill_(-1)
+            self.context_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].fill_(0)
         if fwd.query_slot_mapping is not None:
             self.query_rows[:n].copy_(fwd.query_slot_mapping)
+            self.query_rows[n:size].fill_(-1)
+            self._query_rows_set = True
+        elif self._query_rows_set:  # only after a step that stored queries
+            self.query_rows.fill_(-1)
+            self._query_rows_set = False
         self.graphs[size].replay()
         return self.outputs[size][:n]
