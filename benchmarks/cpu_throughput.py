@@ -119,8 +119,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every mode (default: torch's choice)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
                "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -515,7 +515,8 @@ def check_fused(report: Report, s: Sizes, gen):
             positions = torch.randint(0, length, (tokens,), generator=gen).to(dev)
             inv = 1.0 / (1e6 ** (torch.arange(0, s.head_dim, 2, device=dev).float() / s.head_dim))
             emb = torch.arange(length, device=dev).float()[:, None] * inv[None, :]
-            cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+            rows = torch.stack((torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()), 1)[positions]
+            cos, sin = rows[:, 0], rows[:, 1]
             qn = (randn((s.head_dim,), gen, dev) * 0.1 + 1).to(dt) if norm else None
             kn = (randn((s.head_dim,), gen, dev) * 0.1 + 1).to(dt) if norm else None
             k_cache, v_cache, _ = make_paged([tokens + s.block_size], s.block_size, s.kv_heads, s.head_dim, dt, dev, gen)
@@ -526,9 +527,9 @@ def check_fused(report: Report, s: Sizes, gen):
             qslots = torch.randperm(tokens, generator=gen).to(dev)
             qslots[::3] = -1
             kc, vc, qc = k_cache.float().clone(), v_cache.float().clone(), qcache.float().clone()
-            q_ref = ref.qk_norm_rope_store(qkv.float(), positions, cos, sin, qn.float() if norm else None,
+            q_ref = ref.qk_norm_rope_store(qkv.float(), cos, sin, qn.float() if norm else None,
                                            kn.float() if norm else None, 1e-6, kc, vc, slots, qc, qslots)
-            q = triton_fused.qk_norm_rope_store(qkv, positions, cos, sin, qn, kn, 1e-6, k_cache, v_cache, slots,
+            q = triton_fused.qk_norm_rope_store(qkv, cos, sin, qn, kn, 1e-6, k_cache, v_cache, slots,
                                                 qcache, qslots)
             tag = f"qk_norm_rope_store {label}{' norm' if norm else ''}"
             report.check(f"{tag} (q)", rel_err(q, q_ref), tol)

@@ -1,6 +1,7 @@
-"""CUDA graphs of the decode forward, one per bucketed batch size.
+"""CUDA graphs of the decode forward and its logits, one per bucketed batch size.
 
 Decode steps are many small kernels; replaying a captured graph removes their launch overhead.
+The LM head runs inside the graph too (every decode row samples), into one float32 buffer.
 Inputs live in static buffers that each replay reads; a batch runs in the smallest bucket that
 holds it, with padding rows that write nothing (slot -1) and read one real block (no NaNs).
 """
@@ -31,10 +32,10 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, table_width), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_rows = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.logits = torch.empty((n, model.config.vocab_size), dtype=torch.float32, device=device)
         self.query_cache = list(query_cache.unbind(0)) if query_cache is not None and query_cache.numel() else []
         self._query_rows_set = False
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
 
     def _batch(self, size: int) -> ForwardBatch:
@@ -50,20 +51,26 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
             batch = self._batch(size)
-            self.model(self.input_ids[:size], self.positions[:size], batch)  # warm-up (compiles kernels)
+            self._forward(size, batch)  # warm-up (compiles kernels)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size], batch)
+                self._forward(size, batch)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
+
+    def _forward(self, size: int, batch: ForwardBatch) -> None:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], batch)
+        self.model.logits(hidden, out=self.logits[:size])
 
     def fits(self, batch_size: int, table_width: int) -> bool:
         return batch_size <= self.buckets[-1] and table_width <= self.table_width
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
+        """Logits [batch, vocab] (float32) of the decode batch; int64 tables and lengths are
+        converted by the copies into the static int32 buffers."""
         n = input_ids.shape[0]
         size = next(b for b in self.buckets if b >= n)
         width = fwd.block_tables.shape[1]
@@ -86,4 +93,4 @@ class DecodeGraphs:
             self.query_rows.fill_(-1)
             self._query_rows_set = False
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.logits[:n]

@@ -246,14 +246,18 @@ class ModelRunner:
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
 
-    def unpack(self, packed: torch.Tensor, header: dict) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def unpack(self, packed: torch.Tensor, header: dict,
+               int32: bool = True) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The forward's tensors on the device. int32=False leaves tables and lengths int64 views
+        of the upload (the decode graphs convert them while copying them in)."""
         packed = packed.to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
+        tables_t = tables_t.view(header["num_seqs"], header["width"])
         fwd = ForwardBatch(
             is_prefill=header["is_prefill"],
             slot_mapping=slots_t,
-            block_tables=tables_t.view(header["num_seqs"], header["width"]).to(torch.int32),
-            context_lens=ctx_t.to(torch.int32),
+            block_tables=tables_t.to(torch.int32) if int32 else tables_t,
+            context_lens=ctx_t.to(torch.int32) if int32 else ctx_t,
             cu_seqlens_q=cu_t.to(torch.int32) if header["is_prefill"] else None,
         )
         if header["any_query"]:
@@ -265,13 +269,15 @@ class ModelRunner:
     def forward_packed(self, packed: torch.Tensor, header: dict) -> torch.Tensor | None:
         """Forward a packed batch; the logits of its sampling rows, or None when none samples.
         Every rank runs this in step: the collectives inside pair up."""
-        input_ids, positions, fwd = self.unpack(packed, header)
-        if (not fwd.is_prefill and self.graphs is not None
-                and self.graphs.fits(header["num_seqs"], header["width"])):
-            hidden = self.graphs.run(input_ids, positions, fwd)
-        else:
-            hidden = self.model(input_ids, positions, fwd)
         rows = header["sample_rows"]
+        if (not header["is_prefill"] and self.graphs is not None
+                and self.graphs.fits(header["num_seqs"], header["width"])):
+            logits = self.graphs.run(*self.unpack(packed, header, int32=False))
+            if len(rows) < logits.shape[0]:
+                logits = logits[upload(rows, self.device)]
+            return logits if rows else None
+        input_ids, positions, fwd = self.unpack(packed, header)
+        hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return None
         if len(rows) < hidden.shape[0]:

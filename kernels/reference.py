@@ -209,6 +209,10 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: normalised in fp32, cast back, then scaled by weight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same operations in the same order as below, in one ATen call: in fp32 there is no
+        # cast between normalising and scaling, so the result is bit-identical (and ~6 calls fewer).
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -227,30 +231,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
     """Everything between the QKV projection and attention, for one layer.
 
     qkv [tokens, (q_heads + 2 * kv_heads) * head_dim] is split into q, k, v; q and k get the per-head
-    RMSNorm (when q_norm/k_norm are given, Qwen3) and rotary embedding (cos, sin: [max_positions,
-    head_dim] float tables, read at `positions`); k and v are stored into their cache slots (-1
+    RMSNorm (when q_norm/k_norm are given, Qwen3) and the rotary embedding (cos, sin: [tokens,
+    head_dim] float, each token's rows of the tables); k and v are stored into their cache slots (-1
     skips) and q into its query-cache row when query_slot_mapping is given (-1 skips).
-    Returns q [tokens, q_heads, head_dim] in qkv's dtype.
+    Returns q [tokens, q_heads, head_dim] in qkv's dtype (a view).
     """
     tokens = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[2:]
     q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
-    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.view(tokens, q_heads, head_dim)
-    k = k.view(tokens, kv_heads, head_dim)
-    v = v.view(tokens, kv_heads, head_dim)
+    qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    c = cos[positions].to(qkv.dtype)[:, None, :]
-    s = sin[positions].to(qkv.dtype)[:, None, :]
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
+        qk = torch.cat((rms_norm(qk[:, :q_heads], q_norm, eps), rms_norm(qk[:, q_heads:], k_norm, eps)), dim=1)
+    # q and k heads rotate together: the same elementwise ops on one tensor, half the op count.
+    qk = _rotate(qk, cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :])
+    q, k = qk[:, :q_heads], qk[:, q_heads:]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     if query_slot_mapping is not None:
         store_queries(q, query_cache, query_slot_mapping)

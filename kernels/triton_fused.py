@@ -99,9 +99,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+    qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
     k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, qc_ptr, qslot_ptr,
-    s_t, s_cos, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_qt, s_qh, s_qcr, s_qch,
+    s_t, s_cos, s_sin, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_qt, s_qh, s_qcr, s_qch,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr,
 ):
@@ -126,10 +126,9 @@ def _qk_norm_rope_store_kernel(
             w2 = tl.load(kn_ptr + half + d, mask=dm, other=0.0).to(tl.float32)
         x1 = x1 * inv * w1
         x2 = x2 * inv * w2
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    # cos/sin tables repeat each frequency in both halves; the first half is enough.
-    c = tl.load(cos_ptr + pos * s_cos + d, mask=dm, other=0.0)
-    s = tl.load(sin_ptr + pos * s_cos + d, mask=dm, other=0.0)
+    # cos/sin rows repeat each frequency in both halves; the first half is enough.
+    c = tl.load(cos_ptr + t * s_cos + d, mask=dm, other=0.0)
+    s = tl.load(sin_ptr + t * s_sin + d, mask=dm, other=0.0)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     if is_q:
@@ -159,7 +158,7 @@ def _qk_norm_rope_store_kernel(
             tl.store(vdst + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=dm)
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
@@ -169,16 +168,17 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
     q = torch.empty((tokens, q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
-    if qkv.stride(1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or cos.stride(1) != 1:
+    if (qkv.stride(1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or cos.stride(1) != 1
+            or sin.stride(1) != 1):
         raise ValueError("qk_norm_rope_store needs unit stride along head_dim")
     norm = q_norm is not None
     query_store = query_slot_mapping is not None
     qc = query_cache if query_store else q
     qc_strides = (query_cache.stride(0), query_cache.stride(1)) if query_store else (0, 0)
     _qk_norm_rope_store_kernel[(tokens, q_heads + kv_heads)](
-        qkv, positions, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, eps,
+        qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, eps,
         k_cache, v_cache, slot_mapping, q, qc, query_slot_mapping if query_store else slot_mapping,
-        qkv.stride(0), cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q.stride(0), q.stride(1),
+        qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q.stride(0), q.stride(1),
         *qc_strides,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
         BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, num_warps=1,

@@ -196,7 +196,7 @@ def test_layer_chains_match_transformers():
     k_cache, v_cache = torch.zeros(4, bs, kv_heads, d), torch.zeros(4, bs, kv_heads, d)
     slots = torch.tensor([5, 17, -1, 40, 2, 63])
     qcache = torch.zeros(8, q_heads, d)
-    q = kernels.qk_norm_rope_store(qkv, positions, cos, sin, hf_norm.weight, hf_norm.weight, 1e-6,
+    q = kernels.qk_norm_rope_store(qkv, cos[positions], sin[positions], hf_norm.weight, hf_norm.weight, 1e-6,
                                    k_cache, v_cache, slots, qcache, torch.tensor([-1, 7, 0, -1, -1, 3]))
     q_in, k_in, v_in = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], -1)
     q_hf, k_hf = apply_rotary_pos_emb(hf_norm(q_in.view(tokens, q_heads, d)).transpose(0, 1),

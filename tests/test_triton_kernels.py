@@ -374,7 +374,8 @@ def test_qk_norm_rope_store(norm, group, head_dim, block_size, query_store):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(length).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    rows = torch.stack((emb.cos(), emb.sin()), dim=1)[positions]  # the engine's layout: strided views
+    cos, sin = rows[:, 0], rows[:, 1]
     q_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
     k_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
     caches = torch.randn(2, 2, 4, block_size, KV_HEADS, head_dim, generator=gen)
@@ -384,9 +385,9 @@ def test_qk_norm_rope_store(norm, group, head_dim, block_size, query_store):
     qcache = torch.randn(2, 12, q_heads, head_dim, generator=gen)[0] if query_store else None
     qslots = torch.tensor([3, -1, 0, 11, -1, 5, 6, -1, 1]) if query_store else None
     expected = [caches.clone(), qcache.clone() if query_store else None]
-    q_ref = ref.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, expected[0][1, 0],
+    q_ref = ref.qk_norm_rope_store(qkv, cos, sin, q_norm, k_norm, 1e-6, expected[0][1, 0],
                                    expected[0][1, 1], slots, expected[1], qslots)
-    q = tfused.qk_norm_rope_store(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, slots,
+    q = tfused.qk_norm_rope_store(qkv, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, slots,
                                   qcache, qslots)
     close(q, q_ref)
     close(caches, expected[0])

@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables over every position up to `length`, built once per device (a forward only
-    reads rows of them), in float32 whatever the model's dtype."""
+    """cos/sin tables over every position up to `length`, in float32 whatever the model's dtype;
+    a forward gathers its tokens' rows once and every layer reads them."""
 
     def __init__(self, hf_config, head_dim: int):
         super().__init__()
@@ -73,22 +73,24 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float()
         self.scaling = float(scaling)
         self.length = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table: torch.Tensor | None = None  # [length, 2 (cos, sin), head_dim]
 
     def reserve(self, length: int) -> None:
         """Make the tables cover positions below `length` (the engine's max_model_len)."""
         if length > self.length:
             self.length = length
-            self._tables = None
+            self._table = None
 
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [length, head_dim] float32, the two halves repeating the frequencies."""
-        if self._tables is None or self._tables[0].device != device:
-            positions = torch.arange(self.length, device=device, dtype=torch.int64).float()
-            freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows of these positions, each [tokens, head_dim] float32 (one gather a forward;
+        the two halves repeat the frequencies). The table is built once per device."""
+        if self._table is None or self._table.device != positions.device:
+            steps = torch.arange(self.length, device=positions.device, dtype=torch.int64).float()
+            freqs = steps[:, None] * self.inv_freq.to(positions.device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._tables = ((emb.cos() * self.scaling).contiguous(), (emb.sin() * self.scaling).contiguous())
-        return self._tables
+            self._table = torch.stack((emb.cos() * self.scaling, emb.sin() * self.scaling), dim=1)
+        rows = self._table[positions]  # [tokens, 2, head_dim]
+        return rows[:, 0], rows[:, 1]
 
 
 class Attention(nn.Module):
@@ -113,12 +115,12 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
         store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
         q = kernels.qk_norm_rope_store(
-            self.qkv_proj(hidden), positions, *rope_tables,
+            self.qkv_proj(hidden), *cos_sin,
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
             batch.query_cache[self.layer_index] if store_queries else None,
@@ -152,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, residual, positions, rope_tables, batch):
+    def forward(self, hidden, residual, cos_sin, batch):
         """The residual stream travels beside the sublayer outputs, so each residual add fuses
         with the norm after it: returns (this layer's MLP output, the stream before adding it)."""
         if residual is None:
@@ -160,7 +162,7 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
         normed, residual = self.post_attention_layernorm.add(
-            self.self_attn(normed, positions, rope_tables, batch), residual)
+            self.self_attn(normed, cos_sin, batch), residual)
         return self.mlp(normed), residual
 
 
@@ -194,9 +196,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self._embed(input_ids), None
-        rope_tables = self.rope.tables(hidden.device)
+        cos_sin = self.rope.cos_sin(positions)
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, positions, rope_tables, batch)
+            hidden, residual = layer(hidden, residual, cos_sin, batch)
         return self.model.norm.add(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -208,12 +210,15 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
         return self.tp.all_reduce(hidden * inside[:, None].to(hidden.dtype))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of these rows; written into `out` (same shape) when given."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
         if self.tp.enabled:
-            logits = self.tp.gather_columns(logits)[:, :self.config.vocab_size]
-        return logits
+            logits = self.tp.gather_columns(logits.float())[:, :self.config.vocab_size]
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float()
 
     # -- weights -----------------------------------------------------------------
     def init_random(self, seed: int) -> None:
