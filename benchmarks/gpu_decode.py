@@ -214,7 +214,7 @@ def copy_bandwidth() -> float:
 
 def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
                 profile_path: str | None = None) -> dict:
-    seqs = [engine.add_request(p, greedy(64)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
+    seqs = [engine.add_request(p, greedy(256)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in seqs):
         engine.step()
     runner = engine.runner
