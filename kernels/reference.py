@@ -48,11 +48,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     positions = torch.arange(width * block_size, device=query.device)
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)
+    # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
+    # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
+    # CPU, SDPA's masked GQA path is several times slower than this).
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.view(batch, q_heads, 1, head_dim), keys.transpose(1, 2).to(query.dtype),
-        values.transpose(1, 2).to(query.dtype), attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=True)
-    return out.view(batch, q_heads, head_dim)
+        query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim), keys.transpose(1, 2).to(query.dtype),
+        values.transpose(1, 2).to(query.dtype), attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -36,6 +36,47 @@ class ForwardBatch:
     query_cache: list[torch.Tensor] = field(default_factory=list)  # per layer [slots * window, q_heads, dim]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be repacked for oneDNN's CPU matrix products (`pack_for_cpu`):
+    a blocked layout that runs the small-batch products of decode 1.5-2.5x faster than the plain
+    row-major weight. Packing frees the plain weight; the layer then computes from the packed one."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_weight(self.weight.detach())
+        self.weight = None  # the packed copy holds the same values
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def cpu_packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build has oneDNN's packed linear for `dtype` and it agrees with F.linear
+    (an internal ATen op: checked, not assumed)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=gen).to(dtype)
+        x = torch.randn(5, 64, generator=gen).to(dtype)
+        b = torch.randn(48, generator=gen).to(dtype)
+        out = packed_linear(x, pack_weight(w), b)
+        return torch.allclose(out.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+    except Exception:  # noqa: BLE001 - any failure means: keep the plain path
+        return False
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -104,8 +145,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = family_of(cfg) == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size,
                                 bias=bool(getattr(cfg, "attention_bias", False)) and family_of(cfg) == "llama")
         self.qk_norm = family_of(cfg) == "qwen3"
         if self.qk_norm:
@@ -139,8 +180,8 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate = tp.share(cfg.intermediate_size, "intermediate size")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
@@ -187,8 +228,9 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(hf_config, tp, self.vocab_rows)
         self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._packed_head: torch.Tensor | None = None  # a tied head's packed copy (pack_for_cpu)
         if not self.tied:
-            self.lm_head = nn.Linear(hf_config.hidden_size, self.vocab_rows, bias=False)
+            self.lm_head = Linear(hf_config.hidden_size, self.vocab_rows, bias=False)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -210,10 +252,27 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
         return self.tp.all_reduce(hidden * inside[:, None].to(hidden.dtype))
 
+    def pack_for_cpu(self) -> bool:
+        """Repack every projection and the LM head for oneDNN (see Linear); False when this torch
+        cannot. The embedding stays plain for lookups, so a tied head gets its own packed copy."""
+        dtype = self.model.embed_tokens.weight.dtype
+        if self.model.embed_tokens.weight.device.type != "cpu" or not cpu_packing_works(dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack_for_cpu()
+        if self.tied:
+            self._packed_head = pack_weight(self.model.embed_tokens.weight.detach())
+        return True
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of these rows; written into `out` (same shape) when given."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self._packed_head is not None:
+            logits = packed_linear(hidden, self._packed_head, None)
+        elif self.tied:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
         if self.tp.enabled:
             logits = self.tp.gather_columns(logits.float())[:, :self.config.vocab_size]
         if out is not None:
