@@ -84,7 +84,7 @@ class ModelRunner:
         else:
             model.load_weights(source.load_weights())
         self.model = model.eval()
-        self.model.rope.reserve(max_model_len)
+        self.model.rope.set_length(max_model_len)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # On the CPU the matrix products are most of a step: oneDNN's packed weights speed them up.
         self.packed_weights = self.device.type == "cpu" and self.model.pack_for_cpu()

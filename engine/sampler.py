@@ -49,7 +49,7 @@ class Sampler:
     A sampled row takes argmax(probs / E) with E ~ Exponential(1) per token, which picks token i with
     probability probs[i] (the exponential race), so no host-side multinomial is needed. The noise of
     each row comes from a seed drawn on the host from the request's own generator (or the engine's),
-    so a seeded request reproduces on any device and batch."""
+    so a seeded request reproduces on its device whatever else shares the batch."""
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)

@@ -116,9 +116,9 @@ class RotaryEmbedding(nn.Module):
         self.length = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
         self._table: torch.Tensor | None = None  # [length, 2 (cos, sin), head_dim]
 
-    def reserve(self, length: int) -> None:
-        """Make the tables cover positions below `length` (the engine's max_model_len)."""
-        if length > self.length:
+    def set_length(self, length: int) -> None:
+        """Cover positions below `length` (the engine's max_model_len), no more."""
+        if length != self.length:
             self.length = length
             self._table = None
 
