@@ -51,9 +51,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
     # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
     # CPU, SDPA's masked GQA path is several times slower than this).
+    # K/V made contiguous in SDPA's layout: with strided K/V and a mask, the CPU kernel is up to
+    # 50x slower when its threads compete for cores.
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim), keys.transpose(1, 2).to(query.dtype),
-        values.transpose(1, 2).to(query.dtype), attn_mask=visible[:, None, None, :], scale=scale)
+        query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim),
+        keys.transpose(1, 2).to(query.dtype).contiguous(), values.transpose(1, 2).to(query.dtype).contiguous(),
+        attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(batch, q_heads, head_dim)
 
 
