@@ -38,8 +38,8 @@ class ForwardBatch:
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be repacked for oneDNN's CPU matrix products (`pack_for_cpu`):
-    a blocked layout that runs the small-batch products of decode 1.5-2.5x faster than the plain
-    row-major weight. Packing frees the plain weight; the layer then computes from the packed one."""
+    in fp32 a blocked layout runs the small-batch products of decode 1.5-2.5x faster than the
+    plain row-major weight. Packing frees the plain weight; the layer then computes from the packed one."""
 
     packed: torch.Tensor | None = None
 
@@ -253,10 +253,14 @@ class CausalLM(nn.Module):
         return self.tp.all_reduce(hidden * inside[:, None].to(hidden.dtype))
 
     def pack_for_cpu(self) -> bool:
-        """Repack every projection and the LM head for oneDNN (see Linear); False when this torch
-        cannot. The embedding stays plain for lookups, so a tied head gets its own packed copy."""
+        """Repack every projection and the LM head of an fp32 CPU model for oneDNN (see Linear);
+        False when the model is not one or this torch cannot. The embedding stays plain for
+        lookups, so a tied head gets its own packed copy."""
         dtype = self.model.embed_tokens.weight.dtype
-        if self.model.embed_tokens.weight.device.type != "cpu" or not cpu_packing_works(dtype):
+        # fp32 only: bf16 products already go through oneDNN (AMX where the CPU has it), and
+        # packing measured slower there at 16 rows.
+        if (self.model.embed_tokens.weight.device.type != "cpu" or dtype != torch.float32
+                or not cpu_packing_works(dtype)):
             return False
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
