@@ -7,7 +7,8 @@ Sections (each in its own try/except: a failure is recorded and the script goes 
   1. kernel checks: every Triton kernel against kernels.reference run on the same device in fp32
      (relative-norm error ||out - ref|| / ||ref|| < 1e-2 for bf16; exact for the copies and the keep set),
      plus fp32 checks of the attention kernels (IEEE dot path), the full compression pipeline of
-     engine.compressor (Triton vs reference keep sets) and a CUDA-graph capture of decode attention;
+     engine.compressor (Triton vs reference keep sets), a CUDA-graph capture of decode attention
+     and the fused layer chains (add + RMSNorm, q/k norm + RoPE + stores, SiLU-and-multiply);
   2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
      against transformers on tiny random Llama/Qwen2/Qwen3 models;
   3. timings (triton.testing.do_bench, median): paged decode attention at batch 256 x 2048 tokens
