@@ -7,7 +7,8 @@
 Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, in --dtype
 (float32 by default; bfloat16 uses the CPU's bf16 matrix units where it has them).
 Throughput = generated tokens / wall time of the whole batch (prefill included). Each mode runs
-once untimed (warm-up) and then --repeats timed runs; the median is reported.
+once untimed (warm-up), then the modes take turns for --repeats rounds (so load from other
+processes on a shared CPU falls on all of them alike); the median of each mode is reported.
 """
 
 from __future__ import annotations
@@ -90,16 +91,24 @@ def run_hf_generate_batch(model, prompts, output_len: int):
     return once
 
 
-def timed(once, repeats: int) -> dict:
-    once()  # warm-up
-    runs = []
+def interleaved(runs: dict, repeats: int) -> dict:
+    """Warm every mode up once, then time them in turns (A, B, C, A, B, C, ...), so a busy shared
+    CPU slows every mode alike; the median of each mode's runs."""
+    for once in runs.values():
+        once()
+    times = {mode: [] for mode in runs}
+    tokens = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = once()
-        runs.append((time.perf_counter() - start, tokens))
-    seconds = statistics.median(r[0] for r in runs)
-    tokens = runs[0][1]
-    return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds}
+        for mode, once in runs.items():
+            start = time.perf_counter()
+            tokens[mode] = once()
+            times[mode].append(time.perf_counter() - start)
+    out = {}
+    for mode in runs:
+        seconds = statistics.median(times[mode])
+        out[mode] = {"seconds": seconds, "tokens": tokens[mode], "tok_per_s": tokens[mode] / seconds,
+                     "runs_s": [round(t, 3) for t in times[mode]]}
+    return out
 
 
 def main(argv=None) -> dict:
@@ -110,8 +119,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every mode (default: torch's choice)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
                "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -124,23 +137,28 @@ def main(argv=None) -> dict:
     prompts = chat_prompts(llm.tokenizer, args.num_requests)
     results["prompt_tokens"] = [len(p) for p in prompts]
     hf = None
+    runs = {}
     for mode in modes:
         if mode == "zipage":
-            once = run_zipage(llm, prompts, args.output_len)
+            runs[mode] = run_zipage(llm, prompts, args.output_len)
         elif mode == "fullkv":
-            once = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False), prompts,
-                              args.output_len)
+            runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False), prompts,
+                                    args.output_len)
         elif mode == "hf-generate":
             hf = hf or hf_model(llm, getattr(torch, args.dtype))
-            once = run_hf_generate(hf, llm.tokenizer, prompts, args.output_len)
+            runs[mode] = run_hf_generate(hf, llm.tokenizer, prompts, args.output_len)
         elif mode == "hf-generate-batch":
             hf = hf or hf_model(llm, getattr(torch, args.dtype))
-            once = run_hf_generate_batch(hf, prompts, args.output_len)
+            runs[mode] = run_hf_generate_batch(hf, prompts, args.output_len)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
-        results["modes"][mode] = timed(once, args.repeats)
-        r = results["modes"][mode]
+    results["modes"] = interleaved(runs, args.repeats)
+    for mode, r in results["modes"].items():
         print(f"{mode:18s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} tokens in {r['seconds']:.2f} s)", flush=True)
+    if "hf-generate" in results["modes"]:
+        base = results["modes"]["hf-generate"]["tok_per_s"]
+        results["over_hf_generate"] = {m: r["tok_per_s"] / base for m, r in results["modes"].items()}
+        print("over hf-generate: " + ", ".join(f"{m} {x:.2f}x" for m, x in results["over_hf_generate"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -25,8 +25,15 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded so far (complete characters only)
         self.emitted = 0  # characters of self.text already streamed
         self.stopped_at: int | None = None
+        # The Rust tokenizer directly, when transformers' decode would only wrap it (no clean-up of
+        # spaces): the wrapper costs more than the decoding, twice per token of every stream.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend_decode = backend.decode if backend is not None and plain else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:

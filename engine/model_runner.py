@@ -13,7 +13,7 @@ from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.cuda_graphs import DecodeGraphs
 from zipage.engine.models import CausalLM, ForwardBatch, head_dim_of
 from zipage.engine.models.parallel import TensorParallel
-from zipage.engine.sampler import Sampler
+from zipage.engine.sampler import Sampler, upload
 from zipage.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +84,10 @@ class ModelRunner:
         else:
             model.load_weights(source.load_weights())
         self.model = model.eval()
+        self.model.rope.set_length(max_model_len)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # On the CPU the matrix products are most of a step: oneDNN's packed weights speed them up.
+        self.packed_weights = self.device.type == "cpu" and self.model.pack_for_cpu()
         self.sampler = Sampler(config.seed)
         self.logits_observer = None  # callable(seq, logits_row) for evaluation; None in serving
 
@@ -130,12 +134,6 @@ class ModelRunner:
         """Bytes of everything the pool holds: KV blocks, score cache and query slots."""
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache))
 
-    @property
-    def weight_bytes(self) -> int:
-        if self.model is None:  # released
-            return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
     def release(self) -> None:
         """Drop the KV pool, the weights and the CUDA graphs, so their device memory returns now and
         not whenever the engine object is garbage-collected (a second engine sizes its pool then)."""
@@ -143,6 +141,7 @@ class ModelRunner:
         self.kv_cache = self.query_cache = self.score_cache = empty
         self.graphs = None
         self.model = None
+        self.weight_bytes = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -204,50 +203,62 @@ class ModelRunner:
         return int(peak)
 
     # -- one step -------------------------------------------------------------------
-    def _slot(self, seq, kv_index: int) -> int:
-        return seq.block_table[kv_index // self.block_size] * self.block_size + kv_index % self.block_size
 
     def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict, list[int]]:
         """All the batch metadata as one int64 host tensor plus a small header (what every rank
         needs to rebuild the forward), and the batch index of each sampling row."""
         input_ids, positions, slots, context_lens, cu, sample_rows, sampling = [], [], [], [], [0], [], []
         query_rows, any_query = [], False
+        bs = self.block_size
+        # Plain list appends: at batch 256 this loop is on every decode step's critical path.
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            kv_range = range(seq.kv_len, seq.kv_len + n)
-            slots += [self._slot(seq, j) for j in kv_range]
+            start, kv, table = seq.num_computed_tokens, seq.kv_len, seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[kv // bs] * bs + kv % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[j // bs] * bs + j % bs for j in range(kv, kv + n)]
             if self.compression:
-                rows = [self.geometry.window_row(seq, j) for j in kv_range]
+                rows = [self.geometry.window_row(seq, j) for j in range(kv, kv + n)]
                 any_query = any_query or any(r >= 0 for r in rows)
                 query_rows += rows
-            context_lens.append(seq.kv_len + n)
+            context_lens.append(kv + n)
             cu.append(cu[-1] + n)
             if batch.samples(i):
                 sampling.append(i)
                 sample_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [x for s in batch.seqs for x in s.block_table + [-1] * (width - len(s.block_table))]
+        tables = []
+        for seq in batch.seqs:
+            tables += seq.block_table
+            if len(seq.block_table) < width:
+                tables += [-1] * (width - len(seq.block_table))
         if not any_query:
             query_rows = []
         parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
         # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
-        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
-                              pin_memory=self.device.type == "cuda")
+        packed = torch.tensor(input_ids + positions + slots + context_lens + parts[4] + query_rows + tables,
+                              dtype=torch.int64, pin_memory=self.device.type == "cuda")
         header = dict(is_prefill=batch.is_prefill, sizes=[len(p) for p in parts], width=width,
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
 
-    def unpack(self, packed: torch.Tensor, header: dict) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def unpack(self, packed: torch.Tensor, header: dict,
+               int32: bool = True) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The forward's tensors on the device. int32=False leaves tables and lengths int64 views
+        of the upload (the decode graphs convert them while copying them in)."""
         packed = packed.to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
+        tables_t = tables_t.view(header["num_seqs"], header["width"])
         fwd = ForwardBatch(
             is_prefill=header["is_prefill"],
             slot_mapping=slots_t,
-            block_tables=tables_t.view(header["num_seqs"], header["width"]).to(torch.int32),
-            context_lens=ctx_t.to(torch.int32),
+            block_tables=tables_t.to(torch.int32) if int32 else tables_t,
+            context_lens=ctx_t.to(torch.int32) if int32 else ctx_t,
             cu_seqlens_q=cu_t.to(torch.int32) if header["is_prefill"] else None,
         )
         if header["any_query"]:
@@ -259,17 +270,19 @@ class ModelRunner:
     def forward_packed(self, packed: torch.Tensor, header: dict) -> torch.Tensor | None:
         """Forward a packed batch; the logits of its sampling rows, or None when none samples.
         Every rank runs this in step: the collectives inside pair up."""
-        input_ids, positions, fwd = self.unpack(packed, header)
-        if (not fwd.is_prefill and self.graphs is not None
-                and self.graphs.fits(header["num_seqs"], header["width"])):
-            hidden = self.graphs.run(input_ids, positions, fwd)
-        else:
-            hidden = self.model(input_ids, positions, fwd)
         rows = header["sample_rows"]
+        if (not header["is_prefill"] and self.graphs is not None
+                and self.graphs.fits(header["num_seqs"], header["width"])):
+            logits = self.graphs.run(*self.unpack(packed, header, int32=False))
+            if len(rows) < logits.shape[0]:
+                logits = logits[upload(rows, self.device)]
+            return logits if rows else None
+        input_ids, positions, fwd = self.unpack(packed, header)
+        hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return None
         if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[upload(rows, self.device)]
         return self.model.logits(hidden)
 
     @torch.inference_mode()

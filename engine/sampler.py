@@ -7,11 +7,19 @@ import torch
 from zipage.engine.config import SamplingParams
 
 
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on `device` without a host sync: staged in pinned memory on CUDA."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
     """Push down every token already in the context (prompt and output), as CTRL defines it."""
     if penalty == 1.0 or not token_ids:
         return logits
-    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+    ids = upload(sorted(set(token_ids)), logits.device)
     picked = logits.gather(-1, ids)
     picked = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits.scatter(-1, ids, picked)
@@ -37,8 +45,21 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
+    """Samples on the logits' device; the host waits only for the one copy of the chosen ids.
+
+    A sampled row takes argmax(probs / E) with E ~ Exponential(1) per token, which picks token i with
+    probability probs[i] (the exponential race), so no host-side multinomial is needed. The noise of
+    each row comes from a seed drawn on the host from the request's own generator (or the engine's),
+    so a seeded request reproduces on its device whatever else shares the batch."""
+
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device)
+        return self._device_generators[device]
 
     def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]]
                ) -> list[int]:
@@ -50,10 +71,19 @@ class Sampler:
             for i in penalised:
                 params, context, _ = requests[i]
                 logits[i] = apply_repetition_penalty(logits[i], context, params.repetition_penalty)
-        choice = logits.argmax(-1).tolist()  # greedy rows; sampled rows are overwritten below
-        for i, (params, _, generator) in enumerate(requests):
-            if params.greedy:
-                continue
-            probs = filter_logits(logits[i], params).softmax(-1).cpu()
-            choice[i] = int(torch.multinomial(probs, 1, generator=generator or self.generator))
-        return choice
+        choice = logits.argmax(-1)  # greedy rows; sampled rows are overwritten below
+        sampled = [i for i, (p, _, _) in enumerate(requests) if not p.greedy]
+        if sampled:
+            probs = torch.stack([filter_logits(logits[i], requests[i][0]) for i in sampled]).softmax(-1)
+            noise = torch.empty_like(probs)
+            device_gen = self._device_generator(logits.device)
+            for row, i in enumerate(sampled):
+                seed = int(torch.randint(0, 1 << 62, (1,), generator=requests[i][2] or self.generator))
+                noise[row].exponential_(generator=device_gen.manual_seed(seed))
+            # One copy to the host carries the greedy choice of every row and the sampled ones.
+            ids = torch.cat((choice, (probs / noise).argmax(-1))).tolist()
+            choice_ids = ids[:len(requests)]
+            for row, i in enumerate(sampled):
+                choice_ids[i] = ids[len(requests) + row]
+            return choice_ids
+        return choice.tolist()

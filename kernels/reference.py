@@ -48,11 +48,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     positions = torch.arange(width * block_size, device=query.device)
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)
+    # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
+    # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
+    # CPU, SDPA's masked GQA path is several times slower than this).
+    # K/V made contiguous in SDPA's layout: with strided K/V and a mask, the CPU kernel is up to
+    # 50x slower when its threads compete for cores.
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.view(batch, q_heads, 1, head_dim), keys.transpose(1, 2).to(query.dtype),
-        values.transpose(1, 2).to(query.dtype), attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=True)
-    return out.view(batch, q_heads, head_dim)
+        query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim),
+        keys.transpose(1, 2).to(query.dtype).contiguous(), values.transpose(1, 2).to(query.dtype).contiguous(),
+        attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -199,3 +204,67 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     v_flat[dst] = kept_v
     if score_cache is not None and kept_scores is not None:
         score_cache[dst] = kept_scores.t().to(score_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The elementwise chains around the matrix products of a decoder layer. Each is one fused kernel
+# on CUDA; here they keep the exact operation order of the Hugging Face models (normalise in fp32,
+# scale in the input dtype; RoPE in the input dtype), so the CPU engine matches transformers.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalised in fp32, cast back, then scaled by weight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same operations in the same order as below, in one ATen call: in fp32 there is no
+        # cast between normalising and scaling, so the result is bit-identical (and ~6 calls fewer).
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream and the next sublayer's input."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, 2 * n] holds gate then up: silu(gate) * up, [tokens, n]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
+    """Everything between the QKV projection and attention, for one layer.
+
+    qkv [tokens, (q_heads + 2 * kv_heads) * head_dim] is split into q, k, v; q and k get the per-head
+    RMSNorm (when q_norm/k_norm are given, Qwen3) and the rotary embedding (cos, sin: [tokens,
+    head_dim] float, each token's rows of the tables); k and v are stored into their cache slots (-1
+    skips) and q into its query-cache row when query_slot_mapping is given (-1 skips).
+    Returns q [tokens, q_heads, head_dim] in qkv's dtype (a view).
+    """
+    tokens = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[2:]
+    q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    if q_norm is not None:
+        qk = torch.cat((rms_norm(qk[:, :q_heads], q_norm, eps), rms_norm(qk[:, q_heads:], k_norm, eps)), dim=1)
+    # q and k heads rotate together: the same elementwise ops on one tensor, half the op count.
+    qk = _rotate(qk, cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :])
+    q, k = qk[:, :q_heads], qk[:, q_heads:]
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if query_slot_mapping is not None:
+        store_queries(q, query_cache, query_slot_mapping)
+    return q
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

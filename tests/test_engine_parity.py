@@ -87,3 +87,32 @@ def test_tiny_parity_holds_past_many_blocks(tiny_models):
     out = llm.generate([prompt], greedy(70, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(model.hf, prompt, 70)
 
+
+
+def test_cpu_engine_computes_from_packed_weights(smol):
+    """On the CPU the projections and the tied LM head run from oneDNN-packed weights (where this
+    torch has them); the parity tests above run through them. A packed layer equals F.linear on
+    the plain weight it replaced."""
+    import torch
+    import torch.nn.functional as F
+
+    from zipage.engine.models.decoder import Linear, cpu_packing_works
+
+    if not cpu_packing_works(torch.float32):
+        pytest.skip("this torch build has no oneDNN packed linear")
+    model = smol.engine.runner.model
+    assert smol.engine.runner.packed_weights
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.packed is not None and m.weight is None for m in layers)
+    gen = torch.Generator().manual_seed(0)
+    plain = Linear(64, 96, bias=True)
+    with torch.no_grad():
+        plain.weight.normal_(generator=gen)
+        plain.bias.normal_(generator=gen)
+    weight, bias = plain.weight.detach().clone(), plain.bias.detach().clone()
+    x = torch.randn(7, 64, generator=gen)
+    plain.pack_for_cpu()
+    torch.testing.assert_close(plain(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    hidden = torch.randn(3, model.config.hidden_size, generator=gen)
+    torch.testing.assert_close(model.logits(hidden), F.linear(hidden, model.model.embed_tokens.weight),
+                               rtol=1e-5, atol=1e-4)

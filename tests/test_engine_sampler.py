@@ -274,3 +274,27 @@ def test_real_model_eos_stops_unless_ignore_eos(smol):
     forced = smol.chat(messages, greedy(48, ignore_eos=True))
     assert forced.finish_reason == "length" and len(forced.token_ids) == 48
     assert forced.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_streamed_text_equals_tokenizer_decode(smol, skip_special):
+    """The detokenizer decodes through the Rust tokenizer directly; streamed deltas (ids added a
+    few at a time, special tokens and split UTF-8 characters among them) join into exactly
+    transformers' decode of the whole output."""
+    import random
+
+    from zipage.engine.detokenizer import IncrementalDetokenizer
+
+    tok = smol.tokenizer
+    rng = random.Random(3)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(120)]
+    ids[10:10] = list(tok.all_special_ids)
+    ids[40:40] = tok.encode("naïve café ☕ 東京", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special)
+    streamed, i = "", 0
+    while i < len(ids):
+        step = rng.randint(1, 3)
+        streamed += detok.add(ids[i:i + step])
+        i += step
+    streamed += detok.finish()
+    assert streamed == tok.decode(ids, skip_special_tokens=skip_special)

@@ -168,3 +168,43 @@ def test_store_queries_copies_rows_and_skips_minus_one():
     kernels.store_queries(q, cache, mapping)
     torch.testing.assert_close(cache[[7, 0, 3]], q[[0, 2, 4]])
     assert not cache[[1, 2, 4, 5, 6, 8, 9]].any()
+
+
+def test_layer_chains_match_transformers():
+    """rms_norm, add_rms_norm, silu_and_mul and qk_norm_rope_store against transformers' own
+    Qwen3 pieces (RMSNorm, apply_rotary_pos_emb, the MLP's act_fn), in float32."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, q_heads, kv_heads, d, bs = 6, 4, 2, 64, 16
+    hf_norm = Qwen3RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    x, res = torch.randn(tokens, d, generator=gen), torch.randn(tokens, d, generator=gen)
+    normed, summed = kernels.add_rms_norm(x, res, hf_norm.weight, 1e-6)
+    torch.testing.assert_close(summed, x + res)
+    torch.testing.assert_close(normed, hf_norm(x + res))
+    gate_up = torch.randn(tokens, 2 * d, generator=gen)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up),
+                               torch.nn.functional.silu(gate_up[:, :d]) * gate_up[:, d:])
+
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.tensor([3, 0, 9, 4, 17, 8])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.arange(32).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+    k_cache, v_cache = torch.zeros(4, bs, kv_heads, d), torch.zeros(4, bs, kv_heads, d)
+    slots = torch.tensor([5, 17, -1, 40, 2, 63])
+    qcache = torch.zeros(8, q_heads, d)
+    q = kernels.qk_norm_rope_store(qkv, cos[positions], sin[positions], hf_norm.weight, hf_norm.weight, 1e-6,
+                                   k_cache, v_cache, slots, qcache, torch.tensor([-1, 7, 0, -1, -1, 3]))
+    q_in, k_in, v_in = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], -1)
+    q_hf, k_hf = apply_rotary_pos_emb(hf_norm(q_in.view(tokens, q_heads, d)).transpose(0, 1),
+                                      hf_norm(k_in.view(tokens, kv_heads, d)).transpose(0, 1),
+                                      cos[positions], sin[positions], unsqueeze_dim=0)
+    torch.testing.assert_close(q, q_hf.transpose(0, 1))
+    kept = slots >= 0
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, d)[slots[kept]], k_hf.transpose(0, 1)[kept])
+    torch.testing.assert_close(v_cache.view(-1, kv_heads, d)[slots[kept]], v_in.view(tokens, kv_heads, d)[kept])
+    torch.testing.assert_close(qcache[[7, 0, 3]], q[[1, 2, 5]])
+    assert not qcache[[1, 2, 4, 5, 6]].any()

@@ -320,3 +320,65 @@ def test_compact_kv_overlapping(with_scores):
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     if with_scores:
         assert torch.equal(score_cache, caches[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused elementwise chains of a decoder layer
+
+from zipage.kernels import triton_fused as tfused  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_and_add_rms_norm(hidden):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, hidden, generator=gen)
+    residual = torch.randn(5, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    close(tfused.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+    normed, summed = tfused.add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = ref.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("n", [48, 1500])
+def test_silu_and_mul(n):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 2 * n, generator=gen) * 4
+    close(tfused.silu_and_mul(x), ref.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("group,head_dim,block_size,query_store", [
+    (2, 64, 16, True), (4, 128, 16, False), (1, 16, 256, True), (8, 64, 16, False)])
+def test_qk_norm_rope_store(norm, group, head_dim, block_size, query_store):
+    """q returned, K/V in their slots (-1 skipped), queries in their rows (-1 skipped); caches
+    are layer views of a larger tensor and qkv carries a bias-like offset: strides are real."""
+    gen = torch.Generator().manual_seed(13)
+    tokens, q_heads = 9, KV_HEADS * group
+    width = (q_heads + 2 * KV_HEADS) * head_dim
+    qkv = torch.randn(tokens, width + 8, generator=gen)[:, 3:3 + width]  # a strided view
+    positions = torch.tensor([0, 1, 2, 7, 30, 31, 5, 63, 12])
+    length = 64
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(length).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    rows = torch.stack((emb.cos(), emb.sin()), dim=1)[positions]  # the engine's layout: strided views
+    cos, sin = rows[:, 0], rows[:, 1]
+    q_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
+    k_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
+    caches = torch.randn(2, 2, 4, block_size, KV_HEADS, head_dim, generator=gen)
+    k_cache, v_cache = caches[1, 0], caches[1, 1]
+    slots = torch.randperm(4 * block_size, generator=gen)[:tokens]
+    slots[[1, 6]] = -1
+    qcache = torch.randn(2, 12, q_heads, head_dim, generator=gen)[0] if query_store else None
+    qslots = torch.tensor([3, -1, 0, 11, -1, 5, 6, -1, 1]) if query_store else None
+    expected = [caches.clone(), qcache.clone() if query_store else None]
+    q_ref = ref.qk_norm_rope_store(qkv, cos, sin, q_norm, k_norm, 1e-6, expected[0][1, 0],
+                                   expected[0][1, 1], slots, expected[1], qslots)
+    q = tfused.qk_norm_rope_store(qkv, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, slots,
+                                  qcache, qslots)
+    close(q, q_ref)
+    close(caches, expected[0])
+    if query_store:
+        close(qcache, expected[1])

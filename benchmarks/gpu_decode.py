@@ -1,0 +1,320 @@
+"""Decode speed on the GPU: interactive streams, kernels per decode step, and a loaded decode step
+against the bytes it must read.
+
+    python3 benchmarks/gpu_decode.py --model random:qwen3-0.6b --json out.json
+    python3 benchmarks/gpu_decode.py --model random:qwen3-8b --concurrency 1,4,16 --json out.json
+
+Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, default settings):
+  interactive: N requests at once (--concurrency), --prompt-len random tokens, --output-len tokens
+      each (EOS ignored, streamed): time to first token and decode tokens per second per request
+      ((output - 1) / (last token - first token)), medians over the requests;
+  step: kernels in one batch-1 decode step (torch.profiler, eager forward and engine step with the
+      graph), the graph replay's GPU time, and the engine step's wall time (host included);
+  loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
+      engine step and graph replay against (weights + KV entries read) at the measured
+      device-to-device copy bandwidth.
+--variants picks the layer chains: fused (the Triton kernels the engine registers), reference
+(the PyTorch reference chains, several kernels each) or compile (the reference chains through
+torch.compile); K/V stores go through Triton in all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+
+import torch
+
+FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
+
+
+def use_variant(variant: str) -> None:
+    """Route the layer chains through one implementation (see the module docstring)."""
+    from zipage import kernels
+    from zipage.kernels import reference, triton_cache, triton_ops
+
+    triton_ops.register()
+    if variant == "fused":
+        return
+    if variant not in ("reference", "compile"):
+        raise SystemExit(f"unknown variant {variant!r}")
+    compile_ = torch.compile if variant == "compile" else (lambda fn, **_: fn)
+
+    def norm_rope(qkv, cos, sin, q_norm, k_norm, eps, kv_heads: int, head_dim: int):
+        """The reference's arithmetic, without its stores."""
+        tokens = qkv.shape[0]
+        q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+        qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
+        v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+        if q_norm is not None:
+            qk = torch.cat((reference.rms_norm(qk[:, :q_heads], q_norm, eps),
+                            reference.rms_norm(qk[:, q_heads:], k_norm, eps)), dim=1)
+        qk = reference._rotate(qk, cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :])
+        return qk[:, :q_heads], qk[:, q_heads:], v
+
+    chain = compile_(norm_rope, dynamic=True)
+
+    def qk_norm_rope_store(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+                           query_cache, query_slot_mapping):
+        q, k, v = chain(qkv, cos, sin, q_norm, k_norm, eps, k_cache.shape[2], k_cache.shape[3])
+        triton_cache.store_kv(k, v, k_cache, v_cache, slot_mapping)  # graph safe, unlike the reference's
+        if query_slot_mapping is not None:
+            triton_cache.store_queries(q, query_cache, query_slot_mapping)
+        return q
+
+    kernels.TRITON_IMPLS.update(
+        rms_norm=compile_(reference.rms_norm, dynamic=True),
+        add_rms_norm=compile_(reference.add_rms_norm, dynamic=True),
+        silu_and_mul=compile_(reference.silu_and_mul, dynamic=True),
+        qk_norm_rope_store=qk_norm_rope_store)
+
+
+def greedy(n: int):
+    from zipage.engine.config import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
+
+
+def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    # A short run of the same shape first: Triton specialises kernels on sizes (a prefill of
+    # num x prompt_len tokens compiles once), which is start-up cost, not time to first token.
+    for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed + 1000):
+        engine.add_request(p, greedy(4))
+    while engine.has_work():
+        engine.step()
+    seqs, start = [], time.perf_counter()
+    for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed):
+        seqs.append(engine.add_request(p, greedy(output_len), stream=True))
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for s in seqs:
+            if s.num_output_tokens >= 1 and s.id not in first:
+                first[s.id] = now
+            if s.is_finished and s.id not in last:
+                last[s.id] = now
+    total = time.perf_counter() - start
+    ttft = [first[s.id] - start for s in seqs]
+    rate = [(s.num_output_tokens - 1) / (last[s.id] - first[s.id]) for s in seqs]
+    return {"requests": num, "prompt_len": prompt_len, "output_len": output_len,
+            "ttft_ms_median": 1e3 * statistics.median(ttft), "ttft_ms_max": 1e3 * max(ttft),
+            "decode_tok_per_s_per_request_median": statistics.median(rate),
+            "decode_tok_per_s_per_request_min": min(rate),
+            "aggregate_tok_per_s": sum(s.num_output_tokens for s in seqs) / total,
+            "mean_step_ms": 1e3 * total / steps}
+
+
+def count_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def kernel_breakdown(fn, top: int = 12) -> list[dict]:
+    """GPU time per kernel name over one call of fn, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            row = totals.setdefault(e.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "count": c, "us": round(us, 1)} for k, (c, us) in rows]
+
+
+def replay_ms(graph, repeats: int = 50) -> float:
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def host_profile(engine, steps: int, path: str | None) -> None:
+    """cProfile of `steps` engine steps (host side), the 30 largest self times, to `path`."""
+    if not path:
+        return
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    with open(path, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+
+
+def timed_steps(engine, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        engine.step()
+        times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def step_profile(engine, seed: int, profile_path: str | None = None) -> dict:
+    """One request decoding: kernels per step (eager forward vs graph) and where a step's time goes."""
+    seq = engine.add_request(prompts_of(1, 64, min(engine.vocab_size, 32000), seed)[0], greedy(400))
+    while seq.num_output_tokens < 2:
+        engine.step()
+    runner = engine.runner
+    graphs = runner.graphs
+    result = {"graph_kernels_per_step": count_kernels(engine.step), "graph_step_kernels": kernel_breakdown(engine.step)}
+    runner.graphs = None
+    result["eager_kernels_per_step"] = count_kernels(engine.step)
+    result["eager_step_ms_median"] = statistics.median(timed_steps(engine, 30))
+    runner.graphs = graphs
+    result["engine_step_ms_median"] = statistics.median(timed_steps(engine, 100))
+    host_profile(engine, 100, profile_path)
+    if graphs is not None:
+        result["graph_replay_ms_b1"] = replay_ms(graphs.graphs[1])
+    engine.abort(seq.id)
+    return result
+
+
+def copy_bandwidth() -> float:
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    del src, dst
+    return 2 * (1 << 30) / (ms * 1e-3)  # read + write
+
+
+def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
+                profile_path: str | None = None) -> dict:
+    seqs = [engine.add_request(p, greedy(256)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
+    while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in seqs):
+        engine.step()
+    runner = engine.runner
+    step_ms = timed_steps(engine, 20)
+    host_profile(engine, 10, profile_path)
+    elem = torch.finfo(runner.dtype).bits // 8
+    kv_entries = sum(s.kv_len for s in seqs)
+    kv_bytes = kv_entries * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * elem
+    read = kv_bytes + runner.weight_bytes
+    out = {"batch": batch, "context": context, "kv_bytes_read": kv_bytes, "weight_bytes": runner.weight_bytes,
+           "bytes_read": read, "copy_bandwidth_GBps": bandwidth / 1e9, "roofline_ms": 1e3 * read / bandwidth,
+           "engine_step_ms_median": statistics.median(step_ms)}
+    if runner.graphs is not None:
+        size = next(b for b in runner.graphs.buckets if b >= batch)
+        out["graph_replay_ms"] = replay_ms(runner.graphs.graphs[size], 20)
+        out["graph_over_roofline"] = out["graph_replay_ms"] / out["roofline_ms"]
+    out["step_over_roofline"] = out["engine_step_ms_median"] / out["roofline_ms"]
+    for s in seqs:
+        engine.abort(s.id)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--variants", default="fused")
+    parser.add_argument("--sections", default="interactive,step,loaded")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--loaded-batch", type=int, default=64)
+    parser.add_argument("--loaded-context", type=int, default=2000)
+    parser.add_argument("--compression", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
+    args = parser.parse_args(argv)
+
+    from zipage.engine.config import EngineConfig
+    from zipage.engine.core import EngineCore
+
+    on_gpu = args.device != "cpu"
+    results = {"model": args.model, "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+               "args": vars(args), "variants": {}}
+    sections = args.sections.split(",")
+    if not on_gpu:  # kernel counts and graph replays need CUDA
+        sections = [x for x in sections if x != "step"]
+    bandwidth = (copy_bandwidth() if on_gpu else 20e9) if "loaded" in sections else None
+    log = lambda line: print(line, flush=True)  # noqa: E731
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
+    for variant in args.variants.split(","):
+        use_variant(variant)
+        r = results["variants"][variant] = {}
+        start = time.perf_counter()
+        try:
+            engine = EngineCore(EngineConfig(model=args.model, device=args.device,
+                                             compression=bool(args.compression), seed=args.seed))
+        except Exception as e:  # record and go on to the next variant
+            r["error"] = f"{type(e).__name__}: {e}"
+            log(f"  error: {r['error']}")
+            continue
+        r["startup_s"] = time.perf_counter() - start
+        log(f"{args.model} {variant}: engine up in {r['startup_s']:.1f} s")
+        try:
+            warm = engine.add_request(prompts_of(1, args.prompt_len, min(engine.vocab_size, 32000), 99)[0], greedy(16))
+            while not warm.is_finished:
+                engine.step()
+            if "interactive" in sections:
+                r["interactive"] = []
+                for n in [int(x) for x in args.concurrency.split(",")]:
+                    row = interactive(engine, n, args.prompt_len, args.output_len, args.seed + n)
+                    r["interactive"].append(row)
+                    log(f"  interactive: {json.dumps(row)}")
+                    save()
+            if "step" in sections:
+                r["step"] = step_profile(engine, args.seed, args.profile_dir and f"{args.profile_dir}/host_b1_{variant}.txt")
+                log(f"  step: {json.dumps(r['step'])}")
+                save()
+            if "loaded" in sections:
+                r["loaded"] = loaded_step(engine, args.loaded_batch, args.loaded_context, bandwidth, args.seed,
+                                          args.profile_dir and f"{args.profile_dir}/host_loaded_{variant}.txt")
+                log(f"  loaded: {json.dumps(r['loaded'])}")
+                save()
+        except Exception as e:  # record and go on to the next variant
+            r["error"] = f"{type(e).__name__}: {e}"
+            log(f"  error: {r['error']}")
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        save()
+    return results
+
+
+if __name__ == "__main__":
+    main()
