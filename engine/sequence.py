@@ -57,7 +57,7 @@ class Sequence:
         self.compress_after_prefill = False  # a prefill left more than the budget: compress first
         self.num_preemptions = 0
 
-        self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed
+        self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): the output's first tokens, fed whatever is sampled
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
