@@ -67,7 +67,7 @@ def run_task(module, shared: dict, **task_options) -> None:
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
-    Console().print(ec.markdown_table(results, module.cell))
+    Console().print(ec.markdown_table(results, getattr(module, "cell", None)))
 
 
 @eval_app.command("fidelity", epilog="Example:\n\n  zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")

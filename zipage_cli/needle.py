@@ -98,10 +98,6 @@ def build(tokenizer, split: str, num_samples: int, lengths, depths) -> tuple[ec.
     return task, meta
 
 
-def cell(metrics: dict) -> str:
-    return ec.percent(metrics["score"])
-
-
 def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 1, lengths=DEFAULT_LENGTHS,
         depths=DEFAULT_DEPTHS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
