@@ -44,6 +44,7 @@ class CompressionJob:
     future: object = None
     error: BaseException | None = None
     ready: object = None  # CUDA event: the request's last KV writes are done
+    kept: tuple[int, int] = (0, 0)  # (leading, newest) entries the compression always kept
 
     def work(self) -> dict:
         """The tensor work alone (`Compressor.run_work`), as every tensor-parallel rank runs it."""
@@ -104,6 +105,7 @@ class Compressor:
     @torch.inference_mode()
     def execute(self, job: CompressionJob) -> None:
         start = time.monotonic()
+        job.kept = self.protected(job.seq.num_prompt_tokens, not job.seq.compress_after_prefill)
         if self.stream is None:
             self.run_work(**job.work())
         else:

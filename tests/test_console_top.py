@@ -59,8 +59,9 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
                     break
             note = str(app.query_one("#explain").render())
             assert "was compressed from 3 to 3 blocks" in note and "evicting" in note
-            # a budget of 32 tokens: the newest three quarters stay, scores choose the rest
-            assert "kept its newest 24 tokens and the 8 highest-scoring older ones" in note
+            # a budget of 32 tokens: the 8-token prompt stays, then the newest three quarters of the other 24,
+            # and scores choose the rest
+            assert "kept its first 8 (the prompt), its newest 18 tokens and the 6 highest-scoring older ones" in note
 
             await pilot.press("t")  # run freely again
             assert not engine.paused

@@ -151,6 +151,7 @@ def test_budget_parsing():
     (lambda: ec.parse_settings(["recent_share"]), "expected KNOB=VALUE"),
     (lambda: ec.parse_settings(["bogus=1"]), "unknown engine knob 'bogus'"),
     (lambda: ec.parse_settings(["recent_share=2"]), "recent_share=2"),
+    (lambda: ec.parse_settings(["prompt_share=1"]), "prompt_share=1"),
     (lambda: ec.split_indices(16, "train"), "split 'train'"),
     (lambda: needle.run("random:llama-tiny", depths=[101]), "depth=101"),
     (lambda: recall.run("random:llama-tiny", num_samples=0), "num_samples=0"),

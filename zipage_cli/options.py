@@ -24,7 +24,8 @@ KNOB_HELP = {
     "max_num_seqs": "Most requests running at once.",
     "max_model_len": "Longest prompt + output, in tokens.",
     "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
-    "recent_share": "Share of the budget always kept for the newest entries; scores choose the rest.",
+    "recent_share": "While decoding, share of the budget (after a kept prompt) always kept for the newest entries.",
+    "prompt_share": "A prompt that fits in this share of the budget is never evicted.",
 }
 ENGINE_PANEL = "Engine"
 

@@ -174,9 +174,11 @@ def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | N
             held = after.block_table if after else ()
             targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
             decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
-            kept, recent = d.get("tokens_after", 0), d.get("recent_kept", 0)
+            kept, recent, prompt = d.get("tokens_after", 0), d.get("recent_kept", 0), d.get("prompt_kept", 0)
+            first = f"its first {prompt} (the prompt), " if prompt else ""
             lines.append(f"#{rid} was compressed from {d.get('blocks_before')} to {d.get('blocks_after')} blocks: "
-                         f"each layer and KV head kept its newest {recent} tokens and the {kept - recent} "
+                         f"each layer and KV head kept {first}its newest {recent} tokens and the "
+                         f"{kept - recent - prompt} "
                          f"highest-scoring older ones, {kept} of {d.get('tokens_before')} cached tokens, evicting "
                          f"{d.get('evicted_per_layer')} ({1000 * d.get('seconds', 0):.1f} ms).")
             if targets:
