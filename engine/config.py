@@ -33,7 +33,7 @@ class EngineConfig:
     redundancy_temperature: float = 0.4
     lightning_redundancy: bool = True
     enable_pooling: bool = True
-    pooling_kernel: int = 5
+    pooling_kernel: int = 15  # wide enough to keep a retrieved fact whole (docs/quality.md)
     num_sink_tokens: int = 0
     # Score eviction: a prompt that fits in prompt_share of the budget is never evicted; while decoding,
     # recent_share of the rest of the budget is kept for the newest entries; scores choose the others.

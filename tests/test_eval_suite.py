@@ -171,3 +171,17 @@ def test_the_command_line_reports_bad_options_with_status_2():
         result = runner.invoke(app, ["eval", "needle", "--model", "random:llama-tiny", *args])
         assert result.exit_code == 2, result.output
         assert message in result.output
+
+
+def test_the_leaderboard_joins_tasks_by_configuration(tiny_path, tmp_path):
+    kw = dict(block_size=16, window=4, budgets=ec.parse_budgets("1"))
+    recall_results = TINY_RUNS["recall"](tiny_path, configurations=["random"], **kw)
+    fidelity_results = TINY_RUNS["fidelity"](tiny_path, configurations=["default"], **kw)
+    lines = ec.leaderboard([recall_results, fidelity_results]).splitlines()
+    assert lines[0] == "| configuration | recall 1 blocks | fidelity 1 blocks |"
+    assert lines[2] == "| full KV | 0.0% | 100.0% / 0.000 |"  # a random tiny model recalls nothing
+    assert lines[3].startswith("| random | 0.0% |  |") and lines[4].startswith("| default |  | ")
+    path = tmp_path / "r.json"
+    ec.write_json(str(path), recall_results)
+    result = CliRunner().invoke(app, ["eval", "leaderboard", str(path)])
+    assert result.exit_code == 0 and "| random | 0.0% |" in result.output

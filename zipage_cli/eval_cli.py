@@ -67,7 +67,7 @@ def run_task(module, shared: dict, **task_options) -> None:
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
-    Console().print(ec.markdown_table(results, getattr(module, "cell", None)))
+    typer.echo(ec.markdown_table(results, getattr(module, "cell", None)))
 
 
 @eval_app.command("fidelity", epilog="Example:\n\n  zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")
@@ -88,7 +88,7 @@ def fidelity_command(
 def needle_command(
     num_samples: int = typer.Option(1, help="Samples per length, depth and kind (single key / several keys)."),
     lengths: str = typer.Option("512,1024", help="Prompt lengths in tokens, comma-separated."),
-    depths: str = typer.Option("0,25,50,75,100", help="Depths of the asked key, in % of the text."),
+    depths: str = typer.Option("0,50,100", help="Depths of the asked key, in % of the text (0 = first)."),
     shared: dict = None,
 ):
     """Key retrieval through a compressed prompt (needle in a haystack): exact-match accuracy per depth."""
@@ -123,6 +123,22 @@ def vartrack_command(
     from zipage.cli import vartrack
 
     run_task(vartrack, shared, num_samples=num_samples, length=length, hops=hops)
+
+
+@eval_app.command("leaderboard", epilog="Example:\n\n  zipage eval leaderboard needle.json recall.json fidelity.json")
+def leaderboard_command(paths: list[str] = typer.Argument(..., help="JSON results written by the tasks' --json.")):
+    """One table from several tasks' JSON results: configuration x task x budget."""
+    import json
+
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            err.print(f"[red]error:[/] {path}: {e}")
+            raise typer.Exit(2)
+    typer.echo(ec.leaderboard(results))
 
 
 def _ints(option: str, text: str) -> list[int]:

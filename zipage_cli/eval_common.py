@@ -25,7 +25,7 @@ from zipage.engine.core import EngineCore
 # The rows every task compares at equal budgets. Each row names every scoring knob it relies on, so
 # a change of the engine defaults moves only the "default" row.
 PAPER_SCORING = dict(eviction="score", use_global_score=True, use_redundancy=True, enable_pooling=True,
-                     recent_share=0.0, num_sink_tokens=0)
+                     pooling_kernel=5, recent_share=0.0, prompt_share=0.0, num_sink_tokens=0)
 CONFIGURATIONS = {
     "default": {},  # the engine's defaults, whatever they are
     "pure scoring": PAPER_SCORING,  # every scoring component, the whole budget chosen by score
@@ -367,6 +367,34 @@ def markdown_table(results: dict, cell=None) -> str:
     for row in results["rows"]:
         cells = [cell(row["by_budget"][b]) if b in row["by_budget"] else "" for b in labels]
         lines.append(f"| {row['configuration']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def leaderboard(all_results: list[dict]) -> str:
+    """One table over several tasks' results: configurations down, task x budget across. Fidelity
+    cells show agreement / KL, the others accuracy. Runs of the same task (same samples) merge."""
+    merged: dict[str, dict] = {}
+    for r in all_results:
+        if r["task"] not in merged:
+            merged[r["task"]] = {**r, "rows": list(r["rows"])}
+            continue
+        have = {row["configuration"] for row in merged[r["task"]]["rows"]}
+        merged[r["task"]]["rows"] += [row for row in r["rows"] if row["configuration"] not in have]
+    all_results = list(merged.values())
+    columns = [(r, b) for r in all_results for b in r["budgets"]]
+    names = []
+    for r in all_results:
+        names += [row["configuration"] for row in r["rows"] if row["configuration"] not in names]
+    lines = ["| configuration | " + " | ".join(f"{r['task']} {b}" for r, b in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name in names:
+        cells = []
+        for r, b in columns:
+            row = next((row for row in r["rows"] if row["configuration"] == name), None)
+            m = row["by_budget"].get(b) if row else None
+            cells.append("" if m is None else
+                         f"{percent(m['score'])} / {m['mean_kl']:.3f}" if "mean_kl" in m else percent(m["score"]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ KEYS = ["lemon", "falcon", "granite", "violet", "harbor", "cobalt", "maple", "ti
 KINDS = ("single", "multi")
 NUM_DISTRACTORS = 3
 DEFAULT_LENGTHS = (512, 1024)
-DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
+DEFAULT_DEPTHS = (0, 50, 100)
 INTRO = ("Below is a long text. Some special magic numbers are hidden in it. Memorize them: "
          "I will ask you about one of them.")
 
