@@ -181,6 +181,10 @@ def test_the_leaderboard_joins_tasks_by_configuration(tiny_path, tmp_path):
     assert lines[0] == "| configuration | recall 1 blocks | fidelity 1 blocks |"
     assert lines[2] == "| full KV | 0.0% | 100.0% / 0.000 |"  # a random tiny model recalls nothing
     assert lines[3].startswith("| random | 0.0% |  |") and lines[4].startswith("| default |  | ")
+    # A second run of the same task adds its rows to the same columns; full KV appears once.
+    again = {**recall_results, "rows": [recall_results["rows"][0], {**recall_results["rows"][1], "configuration": "x"}]}
+    merged = ec.leaderboard([recall_results, again]).splitlines()
+    assert [line.split(" | ")[0] for line in merged[2:]] == ["| full KV", "| random", "| x"]
     path = tmp_path / "r.json"
     ec.write_json(str(path), recall_results)
     result = CliRunner().invoke(app, ["eval", "leaderboard", str(path)])
