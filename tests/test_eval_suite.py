@@ -179,7 +179,7 @@ def test_the_leaderboard_joins_tasks_by_configuration(tiny_path, tmp_path):
     fidelity_results = TINY_RUNS["fidelity"](tiny_path, configurations=["default"], **kw)
     lines = ec.leaderboard([recall_results, fidelity_results]).splitlines()
     assert lines[0] == "| configuration | recall 1 blocks | fidelity 1 blocks |"
-    assert lines[2] == "| full KV | 0.0% | 100.0% / 0.000 |"  # a random tiny model recalls nothing
+    assert lines[2] == "| full KV | 0.0% | 100.0% / 0.0000 |"  # a random tiny model recalls nothing
     assert lines[3].startswith("| random | 0.0% |  |") and lines[4].startswith("| default |  | ")
     # A second run of the same task adds its rows to the same columns; full KV appears once.
     again = {**recall_results, "rows": [recall_results["rows"][0], {**recall_results["rows"][1], "configuration": "x"}]}

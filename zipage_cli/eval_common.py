@@ -376,10 +376,15 @@ def leaderboard(all_results: list[dict]) -> str:
     merged: dict[str, dict] = {}
     for r in all_results:
         if r["task"] not in merged:
-            merged[r["task"]] = {**r, "rows": list(r["rows"])}
+            merged[r["task"]] = {**r, "rows": [{**row} for row in r["rows"]]}
             continue
-        have = {row["configuration"] for row in merged[r["task"]]["rows"]}
-        merged[r["task"]]["rows"] += [row for row in r["rows"] if row["configuration"] not in have]
+        rows = {row["configuration"]: row for row in merged[r["task"]]["rows"]}
+        for row in r["rows"]:
+            if row["configuration"] in rows:  # fill budgets an earlier run did not reach
+                known = rows[row["configuration"]]
+                known["by_budget"] = {**row["by_budget"], **known["by_budget"]}
+            else:
+                merged[r["task"]]["rows"].append(row)
     all_results = list(merged.values())
     columns = [(r, b) for r in all_results for b in r["budgets"]]
     names = []
@@ -393,7 +398,7 @@ def leaderboard(all_results: list[dict]) -> str:
             row = next((row for row in r["rows"] if row["configuration"] == name), None)
             m = row["by_budget"].get(b) if row else None
             cells.append("" if m is None else
-                         f"{percent(m['score'])} / {m['mean_kl']:.3f}" if "mean_kl" in m else percent(m["score"]))
+                         f"{percent(m['score'])} / {m['mean_kl']:.4f}" if "mean_kl" in m else percent(m["score"]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
