@@ -36,11 +36,14 @@ class CompressionJob:
     future: object = None
     error: BaseException | None = None
     ready: object = None  # CUDA event: the request's last KV writes are done
+    decoding: bool = True  # a compression while decoding, not the one right after a long prompt's prefill
+    kept: tuple[int, int] = (0, 0)  # (leading, newest) entries the compression always keeps
 
     def work(self) -> dict:
         """The tensor work alone (`Compressor.run_work`), as every tensor-parallel rank runs it."""
         return dict(source_table=self.source_table, query_slot=self.seq.query_slot, kv_len=self.kv_len,
-                    targets=self.targets, first=self.first, num_scored=self.num_scored)
+                    targets=self.targets, first=self.first, num_scored=self.num_scored,
+                    prompt_tokens=self.seq.num_prompt_tokens, decoding=self.decoding)
 
 
 class Compressor:
@@ -78,6 +81,7 @@ class Compressor:
         to the free list still hashed, and later requests with the same prefix are served from them
         for as long as the pool has room."""
         n_max = self.geometry.max_blocks
+        decoding = not self.geometry.compresses_prompt(seq)
         private = self.blocks.private_blocks(seq)
         unhashed = [b for b in private if not self.blocks.is_cached(b)]
         hashed = [b for b in private if self.blocks.is_cached(b)]
@@ -108,7 +112,8 @@ class Compressor:
             seq=seq, kv_len=seq.kv_len, source_table=list(seq.block_table),
             targets=new_table[:self.budget_blocks], decode_block=new_table[self.budget_blocks],
             release=[b for b in seq.block_table if b not in chosen],
-            first=seq.times_compressed == 0, num_scored=seq.num_scored)
+            first=seq.times_compressed == 0, num_scored=seq.num_scored, decoding=decoding,
+            kept=self.protected(seq.num_prompt_tokens, decoding))
 
     # -- the tensor work (any thread) ---------------------------------------------------
     @torch.inference_mode()
@@ -126,7 +131,7 @@ class Compressor:
 
     @torch.inference_mode()
     def run_work(self, source_table: list[int], query_slot: int, kv_len: int, targets: list[int], first: bool,
-                 num_scored: int) -> None:
+                 num_scored: int, prompt_tokens: int = 0, decoding: bool = True) -> None:
         """Score and compact one request on this rank's heads (on whichever stream is current)."""
         device, bs = self.runner.device, self.block_size
         table = torch.tensor(source_table, dtype=torch.int64, device=device)
@@ -134,14 +139,25 @@ class Compressor:
             [query_slot * self.window + j % self.window for j in range(kv_len - self.window, kv_len)],
             dtype=torch.int64, device=device)
         dst = torch.tensor([b * bs + o for b in targets for o in range(bs)], dtype=torch.int64, device=device)
-        graph = self.graphs.get(first) if kv_len == self.trigger_len else None
+        lead, recent = self.protected(prompt_tokens, decoding)
+        kept = torch.tensor([lead, recent], dtype=torch.int64, device=device)
+        graph = self.graphs.get(first) if kv_len == self.trigger_len and decoding else None
         if graph is not None:
-            graph.replay(table, window_rows, dst)
+            graph.replay(table, window_rows, dst, kept)
         else:
-            self._score_and_compact(table, window_rows, dst, kv_len, first, num_scored)
+            self._score_and_compact(table, window_rows, dst, kv_len, first, num_scored, kept)
+
+    def protected(self, prompt_tokens: int, decoding: bool) -> tuple[int, int]:
+        """(leading, newest) entries a compression always keeps. Leading: the sinks, or the whole prompt
+        when it fits in the prompt share. Newest: the recent share of the rest while decoding; only the window when
+        a prompt is compressed after its prefill, since its window (the question) scores what it needs."""
+        lead = max(self.config.num_sink_tokens, self.config.prompt_kept(prompt_tokens, self.keep))
+        lead = min(lead, self.keep - self.window)  # the window always fits
+        recent = self.config.recent_kept(self.keep - lead) if decoding else self.window
+        return lead, max(min(recent, self.keep - lead), self.window)
 
     def _score_and_compact(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor, kv_len: int,
-                           first: bool, num_scored: int) -> None:
+                           first: bool, num_scored: int, kept: torch.Tensor) -> None:
         """Every layer: score the request's kv_len entries, keep the best of each head, compact them
         into the target slots `dst`. Only device work, so it can be captured in a CUDA graph."""
         runner, cfg, bs = self.runner, self.config, self.block_size
@@ -151,7 +167,7 @@ class Compressor:
         for layer in range(runner.num_layers):
             k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
             if cfg.eviction != "score":
-                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst)
+                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst, kept)
                 continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
             attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale)
@@ -166,16 +182,16 @@ class Compressor:
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
-            keep = kernels.keep_indices(self._protect(final.clone(), kv_len), self.keep)  # [kv_heads, keep], ascending
+            keep = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), self.keep)  # [kv_heads, keep], ascending
             kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[keep], dst,
                                attention.gather(1, keep))
 
-    def _protect(self, final: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Entries a compression always keeps: the newest (config.recent_kept) and the sinks."""
-        final[:, kv_len - self.recent:] = float("inf")
-        if self.config.num_sink_tokens:
-            final[:, :self.config.num_sink_tokens] = float("inf")
-        return final
+    def _protect(self, final: torch.Tensor, kv_len: int, kept: torch.Tensor) -> torch.Tensor:
+        """Entries a compression always keeps: kept = [leading, newest] counts (`protected`), read on
+        the device so a captured graph serves every request."""
+        position = torch.arange(kv_len, device=final.device)
+        always = (position < kept[0]) | (position >= kv_len - kept[1])
+        return final.masked_fill_(always, float("inf"))
 
     def capture_graphs(self) -> None:
         """CUDA graphs of the usual compression (a decoding request at the trigger length), one for a
@@ -185,14 +201,14 @@ class Compressor:
         for first in (True, False):
             self.graphs[first] = CompressionGraph(self, first)
 
-    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst) -> None:
+    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst, kept) -> None:
         """The comparison policies at the same budget: random eviction, or sinks + most recent."""
         kv_heads = k_cache.shape[2]
         if self.config.eviction == "random":
             final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
             final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
-        keep = kernels.keep_indices(self._protect(final.clone(), kv_len), self.keep)
+        keep = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), self.keep)
         kernels.compact_kv(k_cache, v_cache, None, token_slots[keep], dst, None)
 
     # -- landing (engine thread) ---------------------------------------------------------
@@ -214,8 +230,9 @@ class CompressionGraph:
         self.table = torch.arange(n_max, dtype=torch.int64, device=device)
         self.window_rows = torch.arange(compressor.window, dtype=torch.int64, device=device)
         self.dst = torch.arange(compressor.keep, dtype=torch.int64, device=device)
+        self.kept = torch.tensor([0, compressor.recent], dtype=torch.int64, device=device)
         args = (self.table, self.window_rows, self.dst, compressor.trigger_len, first,
-                0 if first else compressor.keep)
+                0 if first else compressor.keep, self.kept)
         stream = compressor.stream
         with torch.inference_mode():
             with torch.cuda.stream(stream):
@@ -226,8 +243,9 @@ class CompressionGraph:
                 compressor._score_and_compact(*args)
         stream.synchronize()
 
-    def replay(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor) -> None:
+    def replay(self, table: torch.Tensor, window_rows: torch.Tensor, dst: torch.Tensor, kept: torch.Tensor) -> None:
         self.table.copy_(table)
+        self.kept.copy_(kept)
         self.window_rows.copy_(window_rows)
         self.dst.copy_(dst)
         self.graph.replay()

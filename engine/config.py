@@ -51,9 +51,12 @@ class EngineConfig:
     redundancy_temperature: float = 0.4
     lightning_redundancy: bool = True
     enable_pooling: bool = True
-    pooling_kernel: int = 5
+    pooling_kernel: int = 15  # wide enough to keep a retrieved fact whole (docs/quality.md)
     num_sink_tokens: int = 0
-    recent_share: float = 0.75  # share of the budget kept for the newest entries (score eviction)
+    # Score eviction: a prompt that fits in prompt_share of the budget is never evicted; while decoding,
+    # recent_share of the rest of the budget is kept for the newest entries; scores choose the others.
+    recent_share: float = 0.75
+    prompt_share: float = 0.5
     eviction: str = "score"  # "score" (Zipage); baselines: "random", "recent" (sinks + most recent)
     async_compress: bool = True
     max_compressions_per_step: int = 8  # cap on compression work started per engine step
@@ -121,6 +124,8 @@ class EngineConfig:
             _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
         if not 0.0 <= float(self.recent_share) < 1.0:
             _fail("recent_share", self.recent_share, "must be in [0, 1)")
+        if not 0.0 <= float(self.prompt_share) < 1.0:
+            _fail("prompt_share", self.prompt_share, "must be in [0, 1)")
         if self.max_model_len is not None:
             self._positive_int("max_model_len")
         if self.num_query_slots is not None:
@@ -150,6 +155,13 @@ class EngineConfig:
         the recent share of the budget if that is more. Scores choose the rest."""
         share = int(self.recent_share * budget_tokens) if self.eviction == "score" else 0
         return max(self.window, share)
+
+    def prompt_kept(self, num_prompt_tokens: int, budget_tokens: int) -> int:
+        """How many leading entries (the prompt) every compression of a request keeps: the whole prompt
+        when it fits in the prompt share of the budget (score eviction), else none. A longer prompt is
+        compressed right after its prefill, scored by its own last queries (usually the question)."""
+        fits = num_prompt_tokens <= int(self.prompt_share * budget_tokens)
+        return num_prompt_tokens if self.eviction == "score" and fits else 0
 
     @property
     def max_blocks_per_seq_compressed(self) -> int:

@@ -288,8 +288,8 @@ class EngineCore:
         self.latency.count("compressions")
         self._log(Compressed(request=seq.id, time=time.time(), blocks_before=len(job.source_table),
                              blocks_after=len(seq.block_table), tokens_before=job.kv_len, tokens_after=seq.kv_len,
-                             evicted_per_layer=job.kv_len - seq.kv_len, recent_kept=self.compressor.recent,
-                             times=seq.times_compressed, seconds=round(job.duration, 5)))
+                             evicted_per_layer=job.kv_len - seq.kv_len, prompt_kept=job.kept[0],
+                             recent_kept=job.kept[1], times=seq.times_compressed, seconds=round(job.duration, 5)))
         return []
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput | None:

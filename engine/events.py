@@ -58,6 +58,7 @@ class Compressed(Event):
     tokens_before: int  # KV entries per layer and head before, and kept after
     tokens_after: int
     evicted_per_layer: int
+    prompt_kept: int = 0  # of the kept entries, how many were kept for being the prompt (which fit its share)
     recent_kept: int  # of the kept entries, how many were kept for being the newest
     times: int  # the request's compressions so far, this one included
     seconds: float

@@ -53,11 +53,14 @@ class CompressionGeometry:
         """N_max * b: the KV length at which a decoding request must be compressed."""
         return self.max_blocks * self.block_size
 
+    def compresses_prompt(self, seq) -> bool:
+        """Whether the next compression of `seq` is the one right after its prompt's prefill (its
+        prompt is over the budget), rather than one while decoding."""
+        return not seq.is_compressed and seq.num_prompt_tokens > self.budget_tokens
+
     def next_point(self, seq) -> int:
         """The KV length at which `seq` is compressed next."""
-        if not seq.is_compressed and seq.num_prompt_tokens > self.budget_tokens:
-            return seq.num_prompt_tokens
-        return self.trigger_len
+        return seq.num_prompt_tokens if self.compresses_prompt(seq) else self.trigger_len
 
     def window_start(self, seq) -> int:
         """First KV index whose query belongs to the next compression's window."""

@@ -301,7 +301,7 @@ class ModelRunner:
             seq = batch.seqs[i]
             if self.logits_observer is not None:
                 self.logits_observer(seq, logits[row])
-            if seq.forced_tokens is not None:
+            if seq.forced_tokens is not None and seq.num_output_tokens < len(seq.forced_tokens):
                 token = seq.forced_tokens[seq.num_output_tokens]
             out[i] = token
         return out

@@ -57,7 +57,7 @@ class Sequence:
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
         self.num_preemptions = 0
 
-        self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): outputs to feed
+        self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): the output's first tokens, fed whatever is sampled
         # Each sampling request draws from its own stream: its own seed, else one derived from the
         # engine's seed and its arrival index, so what it samples never depends on what else runs.
         self.generator: torch.Generator | None = None

@@ -207,13 +207,15 @@ class ExecuteSpy:
         self.inner = engine.compressor.execute
         self.gate = gate
         self.started = threading.Event()
-        self.records = []  # (job, window_kv, sink_kv, targets_free_when_writing)
+        self.records = []  # (job, window_kv, sink_kv, targets_free_when_writing, (leading, newest) kept)
         engine.compressor.execute = self
 
     def __call__(self, job):
         e = self.engine
         bs, sinks = e.block_size, e.config.num_sink_tokens
-        w = e.compressor.recent  # every newest entry that must stay
+        # every newest entry that must stay (the recent share while decoding, after the prompt's share)
+        protected = job.kept
+        w = protected[1]
         window_kv = read_kv(e, slots_of(job.source_table, range(job.kv_len - w, job.kv_len), bs))
         sink_kv = read_kv(e, slots_of(job.source_table, range(sinks), bs))
         self.started.set()
@@ -221,7 +223,7 @@ class ExecuteSpy:
             assert self.gate.wait(timeout=30), "test gate never opened"
         free = set(e.blocks.free_ids)
         written_while_free = [b for b in job.targets if b in free]
-        self.records.append((job, window_kv, sink_kv, written_while_free))
+        self.records.append((job, window_kv, sink_kv, written_while_free, protected))
         return self.inner(job)
 
 
@@ -240,7 +242,7 @@ def test_last_window_entries_are_always_kept(model_path, async_compress, evictio
     checked = set()
 
     def after_landing(e):
-        for job, window_kv, sink_kv, _ in spy.records:
+        for job, window_kv, sink_kv, *_ in spy.records:
             if id(job) in checked or e.jobs.get(job.seq.id) is job:
                 continue  # not landed yet
             checked.add(id(job))
@@ -248,7 +250,7 @@ def test_last_window_entries_are_always_kept(model_path, async_compress, evictio
                 assert job.seq.block_table[:n] == job.targets
                 assert job.seq.block_table[n] == job.decode_block
             kept = read_kv(e, slots_of(job.targets, range(keep), bs))  # [layers, 2, keep, heads, dim]
-            assert torch.equal(kept[:, :, keep - w:], window_kv), "the newest entries were not kept last"
+            assert torch.equal(kept[:, :, keep - window_kv.shape[2]:], window_kv), "the newest entries were not kept last"
             assert torch.equal(kept[:, :, :sinks], sink_kv), "sink tokens were not kept first"
 
     try:
@@ -679,6 +681,10 @@ def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning)
     assert_drained(engine)
     engine.close()
     jobs = [r[0] for r in spy.records]
+    protected = {id(r[0]): r[4] for r in spy.records}
+    # The 10-token prompt fits in half the budget and stays, the recent share takes 3/4 of the rest; the
+    # 60-token prompt is compressed after its prefill with only its window forced in, then decodes.
+    assert {(10, 16), (0, w), (0, recent)} <= set(protected.values())
     assert len(jobs) >= 4 and any(j.first for j in jobs) and any(not j.first for j in jobs)
     calls = iter(trace.calls)
     for job in jobs:
@@ -700,9 +706,10 @@ def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning)
             assert name == "keep_indices" and args[1] == keep
             final = args[0]
             want = 0.3 * merged - 0.7 * redundancy
-            newest = job.kv_len - recent  # the window and the rest of the recent share are forced in
-            assert torch.isinf(final[:, newest:]).all()
-            torch.testing.assert_close(final[:, :newest], want[:, :newest])
+            lead, recent = protected[id(job)]  # a short prompt, and the newest entries, are forced in
+            newest = job.kv_len - recent
+            assert torch.isinf(final[:, newest:]).all() and torch.isinf(final[:, :lead]).all()
+            torch.testing.assert_close(final[:, lead:newest], want[:, lead:newest])
             name, args, _ = next(calls)
             assert name == "compact_kv"
             assert torch.equal(args[5], merged.gather(1, kept)), "the score cache must carry s, not the final score"

@@ -177,8 +177,8 @@ def test_empty_prompt_and_bad_eval_options_are_refused():
     runner = CliRunner()
     for argv, message in [(["generate", ""], "the prompt is empty"),
                           (["generate", "   "], "the prompt is empty"),
-                          (["eval", "fidelity", "--budgets", "4,x"], "--budgets '4,x'"),
-                          (["eval", "fidelity", "--num-prompts", "0"], "--num-prompts")]:
+                          (["eval", "fidelity", "--budgets", "4,x"], "--budgets: 'x'"),
+                          (["eval", "fidelity", "--num-samples", "0"], "--num-samples 0")]:
         result = runner.invoke(app, argv)
         assert result.exit_code == 2, (argv, result.output)
         assert message in result.output, (argv, result.output)

@@ -59,9 +59,11 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
                     break
             note = " ".join(str(app.query_one("#explain").render()).split())
             compressed = app.selected
-            # 48 entries (3 blocks of 16) against a budget of 32: the newest three quarters stay, scores choose the rest
+            # 48 entries (3 blocks of 16) against a budget of 32: the 8-token prompt stays, then the newest three
+            # quarters of the other 24, and scores choose the rest
             assert (f"#{compressed} was compressed this step: every layer and KV head evicted 16 of its 48 cached "
-                    "entries and kept 32: the 24 newest, plus the 8 older ones that scored highest") in note
+                    "entries and kept 32: its first 8 (the prompt), the 18 newest, plus the 6 older ones that "
+                    "scored highest") in note
             assert "block table went from 3 to 3 blocks (the same count" in note
 
             # Another request selected: its own account shows at once, without a step.

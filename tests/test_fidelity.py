@@ -1,11 +1,12 @@
-"""The fidelity evaluation: its KL estimate, and agreement/KL on a tiny model where the answer is
-known (a budget never reached must match full KV exactly)."""
+"""The fidelity evaluation: its KL estimate, and knobs set on top of every row (the shared behaviour
+of every task is in test_eval_suite.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from zipage.cli import eval_common as ec
 from zipage.cli import fidelity
 
 
@@ -33,37 +34,13 @@ def test_kl_top_k_lumps_the_tail_and_never_exceeds_the_exact_kl():
     assert fidelity.kl_top_k(top.values, top.indices, p) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_a_budget_never_reached_agrees_with_full_kv_exactly(tiny_path):
-    results = fidelity.run(tiny_path, num_prompts=2, tokens=24, budgets=[8, 1], block_size=16, window=4,
-                           configurations=["+ recent share (Zipage)", "random eviction"], progress=lambda line: None)
-    assert [r["configuration"] for r in results["rows"]] == ["+ recent share (Zipage)", "random eviction"]
-    for row in results["rows"]:
-        never = row["by_budget"]["8"]  # 128 tokens of budget: prompt plus 24 tokens never reach it
-        assert never["compressions"] == 0 and never["steps"] == 2 * 24
-        assert never["agreement"] == 1.0 and never["mean_kl"] == pytest.approx(0.0, abs=1e-6)
-        squeezed = row["by_budget"]["1"]  # a 16-token budget: the prompt alone outgrows it
-        assert squeezed["compressions"] > 0 and squeezed["mean_kl"] > 0.0
-
-
-def test_unknown_configuration_is_refused():
-    with pytest.raises(ValueError, match="unknown configuration 'bogus'"):
-        fidelity.run("random:llama-tiny", configurations=["bogus"])
-
-
-def test_settings_apply_on_top_of_every_row(tiny_path):
-    """With the recent share set to 0, the default row is exactly the pure-scoring row."""
-    settings = fidelity.parse_settings(["recent_share=0", "enable_pooling=true"])
-    assert settings == {"recent_share": 0, "enable_pooling": True}
-    results = fidelity.run(tiny_path, num_prompts=2, tokens=24, budgets=[1], block_size=16, window=4,
-                           configurations=["+ pooling", "+ recent share (Zipage)"], settings=settings,
-                           progress=lambda line: None)
-    pure, recent = (r["by_budget"]["1"] for r in results["rows"])
-    assert results["rows"][1]["overrides"]["recent_share"] == 0
-    assert pure == {**recent, "seconds": pure["seconds"]}
-
-
-def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="expected KNOB=VALUE"):
-        fidelity.parse_settings(["recent_share"])
-    with pytest.raises(ValueError, match="unknown engine knob 'bogus'"):
-        fidelity.parse_settings(["bogus=1"])
+def test_settings_apply_on_top_of_every_row(tiny_path, tmp_path, monkeypatch):
+    """Set to sinks + recent, the default row is exactly the sinks + recent row."""
+    monkeypatch.setenv("ZIPAGE_EVAL_CACHE", str(tmp_path))
+    settings = ec.parse_settings(["eviction=recent", "num_sink_tokens=4"])
+    assert settings == {"eviction": "recent", "num_sink_tokens": 4}
+    results = fidelity.run(tiny_path, num_samples=2, tokens=24, budgets=ec.parse_budgets("1"), block_size=16,
+                           window=4, configurations=["default", "sinks + recent"], settings=settings)
+    default, baseline = (r["by_budget"]["1 blocks"] for r in results["rows"][1:])
+    assert results["rows"][1]["overrides"]["eviction"] == "recent"
+    assert default["compressions"] > 0 and default == {**baseline, "seconds": default["seconds"]}

@@ -6,22 +6,18 @@
    compared with the full-KV distribution: does its argmax equal the full-KV token, and what is
    KL(full || compressed)?
 
-Run: `zipage eval fidelity` or `python -m zipage.cli.fidelity`.
+The 16 built-in prompts are split in two seeded halves: `selection` (for tuning) and `report`.
+
+Run: `zipage eval fidelity`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import time
-from dataclasses import dataclass, field
 
 import torch
 
-from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.core import EngineCore
-from zipage.engine.loader import resolve_model
+from zipage.cli import eval_common as ec
 
 PROMPTS = [
     "A train leaves at 3:40 pm and arrives at 6:15 pm. How long is the trip? Think step by step.",
@@ -42,83 +38,8 @@ PROMPTS = [
     "Plan a three-day study schedule for an exam on fractions and decimals.",
 ]
 
-# Ablation ladder, then the two baselines, all at the same budget.
-CONFIGURATIONS = [
-    ("window score", dict(use_global_score=False, use_redundancy=False, enable_pooling=False, recent_share=0.0)),
-    ("+ global score", dict(use_global_score=True, use_redundancy=False, enable_pooling=False, recent_share=0.0)),
-    ("+ redundancy", dict(use_global_score=True, use_redundancy=True, enable_pooling=False, recent_share=0.0)),
-    ("+ pooling", dict(use_global_score=True, use_redundancy=True, enable_pooling=True, recent_share=0.0)),
-    ("+ recent share (Zipage)", dict(use_global_score=True, use_redundancy=True, enable_pooling=True)),
-    ("random eviction", dict(eviction="random")),
-    ("sinks + recent", dict(eviction="recent", num_sink_tokens=4)),
-]
 TOP_K = 1024
-
-
-@dataclass
-class Reference:
-    prompts: list[list[int]]
-    continuations: list[list[int]]
-    top_logp: list[torch.Tensor]  # per prompt [steps, TOP_K] log-probs of full KV
-    top_ids: list[torch.Tensor]  # per prompt [steps, TOP_K]
-
-
-@dataclass
-class Score:
-    agree: int = 0
-    kl_sum: float = 0.0
-    steps: int = 0
-    compressions: int = 0
-    seconds: float = 0.0
-    per_prompt: list = field(default_factory=list)
-
-    @property
-    def agreement(self) -> float:
-        return self.agree / max(self.steps, 1)
-
-    @property
-    def mean_kl(self) -> float:
-        return self.kl_sum / max(self.steps, 1)
-
-
-def _drive(engine: EngineCore, prompts, tokens: int, forced: list[list[int]] | None, observer,
-           index: dict[int, int]) -> list:
-    """Run the prompts to completion (greedy, or fed `forced` tokens), calling observer(seq, logits)
-    at every sampled step; `index` maps request ids to prompt positions before the first step."""
-    engine.runner.logits_observer = observer
-    for i, ids in enumerate(prompts):
-        n = len(forced[i]) if forced is not None else tokens
-        seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        if forced is not None:
-            seq.forced_tokens = forced[i]
-        index[seq.id] = i
-    outputs = [None] * len(prompts)
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                outputs[index[out.id]] = out
-    engine.runner.logits_observer = None
-    return outputs
-
-
-def build_reference(source, prompts, tokens: int, block_size: int, **engine_kwargs) -> Reference:
-    engine = EngineCore(EngineConfig(model=source.name, compression=False, block_size=block_size,
-                                     **engine_kwargs), source=source)
-    rows: dict[int, list] = {}
-
-    def observe(seq, logits):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logp, min(TOP_K, logp.numel()))
-        rows.setdefault(seq.id, []).append((top.values.cpu(), top.indices.cpu()))
-
-    index: dict[int, int] = {}
-    outputs = _drive(engine, prompts, tokens, None, observe, index)
-    engine.close()
-    by_prompt = {index[sid]: r for sid, r in rows.items()}
-    return Reference(
-        prompts=prompts, continuations=[o.token_ids for o in outputs],
-        top_logp=[torch.stack([v for v, _ in by_prompt[i]]) for i in range(len(prompts))],
-        top_ids=[torch.stack([k for _, k in by_prompt[i]]) for i in range(len(prompts))])
+DEFAULT_TOKENS = 384
 
 
 def kl_top_k(ref_logp: torch.Tensor, ref_ids: torch.Tensor, logp: torch.Tensor) -> float:
@@ -133,118 +54,69 @@ def kl_top_k(ref_logp: torch.Tensor, ref_ids: torch.Tensor, logp: torch.Tensor) 
     return kl
 
 
-def score_configuration(source, ref: Reference, budget: int, block_size: int, window: int,
-                        overrides: dict, **engine_kwargs) -> Score:
-    engine = EngineCore(EngineConfig(model=source.name, compression=True, block_size=block_size,
-                                     max_cache_blocks_per_seq=budget, window=window, async_compress=False,
-                                     **overrides, **engine_kwargs), source=source)
-    score = Score()
-    seq_prompt: dict[int, int] = {}
+def observer(group: int, reference: dict | None):
+    """Full KV (no reference yet): keep the top-k log-probs of every step. Compressed: compare each
+    step with full KV's token and distribution."""
+    if reference is None:
+        rows: dict[int, list] = {}
 
-    def observe(seq, logits):
-        i = seq_prompt[seq.id]
+        def keep(i, seq, logits):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(logp, min(TOP_K, logp.numel()))
+            rows.setdefault(i, []).append((top.values.cpu(), top.indices.cpu().to(torch.int32)))
+
+        return keep, rows
+    tokens, tops = reference["outputs"][group], reference["observed"][group]
+    tally = {"agree": 0, "kl": 0.0, "steps": 0}
+
+    def compare(i, seq, logits):
         step = seq.num_output_tokens
         logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-        score.agree += int(int(logp.argmax()) == ref.continuations[i][step])
-        score.kl_sum += kl_top_k(ref.top_logp[i][step], ref.top_ids[i][step], logp)
-        score.steps += 1
+        values, ids = tops[i][step]
+        tally["agree"] += int(int(logp.argmax()) == tokens[i][step])
+        tally["kl"] += kl_top_k(values, ids.long(), logp)
+        tally["steps"] += 1
 
-    start = time.monotonic()
-    _drive(engine, ref.prompts, 0, ref.continuations, observe, seq_prompt)
-    score.compressions = engine.totals["compressions"]
-    score.seconds = time.monotonic() - start
-    engine.close()
-    return score
+    return compare, tally
 
 
-def run(model: str = "smollm2-135m", num_prompts: int = 16, tokens: int = 1024, budgets=(4, 8, 16),
-        block_size: int = 32, window: int = 16, device: str = "cpu", progress=print,
-        configurations: list[str] | None = None, settings: dict | None = None) -> dict:
-    """Score every configuration (or only those named in `configurations`) at every budget;
-    `settings` (engine knobs) apply on top of each row's own, for sweeps."""
-    known = [name for name, _ in CONFIGURATIONS]
-    for name in configurations or []:
-        if name not in known:
-            raise ValueError(f"unknown configuration {name!r}; known: {', '.join(known)}")
+def score(outputs, observed, reference) -> dict:
+    steps = sum(t["steps"] for t in observed)
+    return {"score": sum(t["agree"] for t in observed) / max(steps, 1),
+            "mean_kl": sum(t["kl"] for t in observed) / max(steps, 1), "steps": steps}
+
+
+def full_kv_metrics(reference) -> dict:
+    return {"score": 1.0, "mean_kl": 0.0, "steps": sum(len(o) for g in reference["outputs"] for o in g)}
+
+
+def build(tokenizer, split: str, num_samples: int, tokens: int) -> ec.Task:
+    ec.check_count("tokens", tokens, 1)
+    chosen = ec.split_indices(len(PROMPTS), split)
+    ec.check_count("num_samples", num_samples, 1, len(chosen))
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i]}],
+                                                              tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False) for i in chosen[:num_samples]]
+    requests = [ec.Request(prompt=p, free_tokens=tokens) for p in prompts]
+    return ec.Task(name="fidelity", groups=[requests], score=score, observer=observer, teacher_forced=True,
+                   full_kv_metrics=full_kv_metrics, reference_key={"top_k": TOP_K}, metric="top-1 agreement")
+
+
+def cell(metrics: dict) -> str:
+    return f"{metrics['score'] * 100:.1f}% / {metrics['mean_kl']:.4f}"
+
+
+def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 4, tokens: int = DEFAULT_TOKENS,
+        budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
+        configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
+        progress: ec.Progress | None = None) -> dict:
+    from zipage.engine.loader import resolve_model
+
+    budgets = budgets or ec.parse_budgets("25%,50%,75%")
+    configurations = ec.parse_configurations(None) if configurations is None else configurations
     source = resolve_model(model)
-    tok = source.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False)
-               for p in PROMPTS[:num_prompts]]
-    common = dict(device=device)
-    start = time.monotonic()
-    ref = build_reference(source, prompts, tokens, block_size, **common)
-    progress(f"full-KV reference: {num_prompts} x {tokens} tokens in {time.monotonic() - start:.0f} s")
-    results = {"model": model, "num_prompts": num_prompts, "tokens": tokens, "block_size": block_size,
-               "window": window, "budgets": list(budgets), "rows": []}
-    for name, overrides in CONFIGURATIONS:
-        if configurations and name not in configurations:
-            continue
-        overrides = {**overrides, **(settings or {})}
-        row = {"configuration": name, "overrides": overrides, "by_budget": {}}
-        for budget in budgets:
-            s = score_configuration(source, ref, budget, block_size, window, overrides, **common)
-            row["by_budget"][str(budget)] = {"agreement": s.agreement, "mean_kl": s.mean_kl, "steps": s.steps,
-                                             "compressions": s.compressions, "seconds": round(s.seconds, 1)}
-            progress(f"{name:22s} budget {budget:3d}: top-1 agreement {s.agreement:.4f}, "
-                     f"mean KL {s.mean_kl:.4f} ({s.compressions} compressions, {s.seconds:.0f} s)")
-        results["rows"].append(row)
-    return results
-
-
-def parse_settings(items: list[str]) -> dict:
-    """["recent_share=0.5", "enable_pooling=false"] -> {"recent_share": 0.5, "enable_pooling": False}."""
-    settings = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KNOB=VALUE")
-        if key not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError(f"--set {item!r}: unknown engine knob {key!r}")
-        try:
-            settings[key] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key] = value
-    return settings
-
-
-def markdown_table(results: dict) -> str:
-    budgets = results["budgets"]
-    bs = results["block_size"]
-    head = "| configuration | " + " | ".join(f"{b} blocks ({b * bs} tok): agree / KL" for b in budgets) + " |"
-    lines = [head, "|---|" + "---|" * len(budgets)]
-    for row in results["rows"]:
-        cells = [f"{row['by_budget'][str(b)]['agreement'] * 100:.1f}% / {row['by_budget'][str(b)]['mean_kl']:.4f}"
-                 for b in budgets]
-        lines.append(f"| {row['configuration']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--budgets", default="4,8,16")
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--configurations", default=None, help="only these rows, separated by ';'")
-    parser.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                        help="an engine knob applied on top of every row (repeatable)")
-    args = parser.parse_args(argv)
-    results = run(args.model, args.num_prompts, args.tokens, [int(b) for b in args.budgets.split(",")],
-                  args.block_size, args.window, args.device,
-                  configurations=args.configurations.split(";") if args.configurations else None,
-                  settings=parse_settings(args.set))
-    print(markdown_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    task = build(source.tokenizer, split, num_samples, tokens)
+    params = {"split": split, "num_samples": num_samples, "tokens": tokens}
+    with progress or ec.Progress(False) as bars:
+        return ec.evaluate(task, source, model, configurations, budgets, block_size, window, settings or {},
+                           device, json_path, bars, params)

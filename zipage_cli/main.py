@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from zipage.cli.eval_cli import eval_app
 from zipage.cli.options import engine_options
 
 app = typer.Typer(
@@ -118,58 +119,7 @@ def models():
     Console().print(table)
 
 
-eval_app = typer.Typer(help="Measure answer quality under compression.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
-
-
-@eval_app.command("fidelity", epilog="Examples:\n\n  zipage eval fidelity\n\n"
-                                     "  zipage eval fidelity --num-prompts 4 --tokens 256 --budgets 4,8 --json f.json")
-def eval_fidelity(
-    model: str = typer.Option("smollm2-135m", help="Model to evaluate."),
-    num_prompts: int = typer.Option(16, min=1, help="Prompts (up to 16 built in)."),
-    tokens: int = typer.Option(1024, help="Greedy tokens generated per prompt by full KV."),
-    budgets: str = typer.Option("4,8,16", help="Block budgets to test, comma-separated."),
-    block_size: int = typer.Option(32, help="Tokens per block."),
-    window: int = typer.Option(16, help="Observation window."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
-    json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
-    configurations: str = typer.Option(None, help="Only these rows, separated by ';' (default: all)."),
-    settings: list[str] = typer.Option([], "--set", metavar="KNOB=VALUE",
-                                       help="An engine knob applied on top of every row, for sweeps (repeatable)."),
-):
-    """Teacher-forced top-1 agreement and KL divergence of compressed KV against full KV, for the
-    scoring ablations and two baselines (random eviction; sinks + most recent) at equal budgets."""
-    import json
-
-    from zipage.cli import fidelity
-
-    budget_list = _whole_numbers(budgets, "--budgets")
-    try:
-        results = fidelity.run(model, num_prompts, tokens, budget_list, block_size, window, device,
-                               progress=lambda line: err.print(line),
-                               configurations=configurations.split(";") if configurations else None,
-                               settings=fidelity.parse_settings(settings))
-    except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
-    Console().print(fidelity.markdown_table(results))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-
-def _whole_numbers(text: str, option: str) -> list[int]:
-    """'4,8,16' -> [4, 8, 16]; anything else exits with status 2, naming the option."""
-    try:
-        numbers = [int(part) for part in text.split(",")]
-    except ValueError:
-        numbers = []
-    if not numbers or min(numbers) < 1:
-        err.print(f"[red]error:[/] {option} {text!r}: expected positive whole numbers separated by commas, "
-                  "e.g. 4,8,16")
-        raise typer.Exit(2)
-    return numbers
 
 
 def _load_engine(engine_kwargs: dict):

@@ -29,7 +29,6 @@ KNOB_HELP = {
     "enable_pooling": "Max-pool scores along tokens at a request's first compression.",
     "pooling_kernel": "Width of that pooling, in tokens (odd).",
     "num_sink_tokens": "First tokens of a request that are never evicted.",
-    "recent_share": "Share of the budget always kept for the newest entries; scores choose the rest.",
     "eviction": "What chooses the evicted tokens: score (Zipage), random or recent (baselines).",
     "async_compress": "Compress in the background while the other requests keep decoding.",
     "max_compressions_per_step": "Most compressions started per engine step.",
@@ -45,6 +44,8 @@ KNOB_HELP = {
     "enforce_eager": "Never capture CUDA graphs.",
     "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
     "seed": "Seed of the engine (random weights, random eviction, unseeded sampling).",
+    "recent_share": "While decoding, share of the budget (after a kept prompt) always kept for the newest entries.",
+    "prompt_share": "A prompt that fits in this share of the budget is never evicted.",
 }
 ENGINE_PANEL = "Engine"
 

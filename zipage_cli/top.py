@@ -237,10 +237,13 @@ def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Ev
 
 
 def compression_words(c: Compressed) -> str:
-    """One compression: entries evicted and kept (newest / by score), blocks."""
-    recent = min(c.recent_kept, c.tokens_after)
+    """One compression: entries evicted and kept (the prompt, the newest, by score), blocks."""
+    prompt = min(c.prompt_kept, c.tokens_after)
+    recent = min(c.recent_kept, c.tokens_after - prompt)
+    by_score = c.tokens_after - prompt - recent
     return (f"every layer and KV head evicted {c.evicted_per_layer} of its {c.tokens_before} cached "
-            f"entries and kept {c.tokens_after}: the {recent} newest, plus the {c.tokens_after - recent} older ones "
+            f"entries and kept {c.tokens_after}: " + (f"its first {prompt} (the prompt), " if prompt else "")
+            + f"the {recent} newest, plus the {by_score} older ones "
             f"that scored highest. Its block table went from {c.blocks_before} to {c.blocks_after} blocks"
             + (" (the same count: the kept entries were packed into target blocks and one fresh block takes "
                "the next tokens)" if c.blocks_before == c.blocks_after else "")

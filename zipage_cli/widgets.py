@@ -89,9 +89,11 @@ def describe_event(event: Event) -> str:
         case Prefilled(tokens=tokens, seconds=seconds):
             return f"prefilled {tokens} tokens ({1000 * seconds:.0f} ms)"
         case Compressed() as c:
-            recent = min(c.recent_kept, c.tokens_after)
-            return (f"compressed {c.tokens_before}→{c.tokens_after} entries per layer ({recent} newest + "
-                    f"{c.tokens_after - recent} by score), blocks {c.blocks_before}→{c.blocks_after} "
+            prompt = min(c.prompt_kept, c.tokens_after)
+            recent = min(c.recent_kept, c.tokens_after - prompt)
+            return (f"compressed {c.tokens_before}→{c.tokens_after} entries per layer ("
+                    + (f"{prompt} prompt + " if prompt else "") + f"{recent} newest + "
+                    f"{c.tokens_after - prompt - recent} by score), blocks {c.blocks_before}→{c.blocks_after} "
                     f"({1000 * c.seconds:.1f} ms)")
         case Preempted(output_tokens=tokens):
             return f"preempted after {tokens} tokens: blocks freed, requeued"
