@@ -153,17 +153,11 @@ def randn(shape, gen, device, dtype=torch.float32):
 
 
 def make_paged(lens, block_size, kv_heads, head_dim, dtype, device, gen, extra_cols=1, spare=4):
-    """Shuffled paged caches holding sequences of these lengths; tables -1 padded."""
-    counts = [max(1, -(-n // block_size)) for n in lens]
-    num_blocks = sum(counts) + spare
-    k_cache = randn((num_blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    v_cache = randn((num_blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(counts) + extra_cols), -1, dtype=torch.int32)
-    used = 0
-    for i, c in enumerate(counts):
-        tables[i, :c] = perm[used:used + c].int()
-        used += c
+    """Shuffled paged caches holding sequences of these lengths, made on the device; tables -1 padded."""
+    from zipage.testing import random_paged_cache
+
+    k_cache, v_cache, tables = random_paged_cache(lens, block_size, kv_heads, head_dim, gen, spare_blocks=spare,
+                                                  extra_cols=extra_cols, randn=lambda shape: randn(shape, gen, device, dtype))
     return k_cache, v_cache, tables.to(device)
 
 
@@ -591,28 +585,10 @@ def check_cuda_graph(report: Report, s: Sizes, gen):
 
 
 def _build_tiny_hf(family: str, folder: Path, seed: int):
-    """A random transformers model from the preset's config (initializer_range raised so greedy output
-    varies), saved as an HF folder with the preset's byte tokenizer. Returns the fp32 model."""
-    from transformers import AutoModelForCausalLM
+    """A seeded random transformers model of the preset's shape, saved as an HF folder (fp32)."""
+    from zipage.testing import save_random_model
 
-    from zipage.engine.loader import resolve_model
-
-    source = resolve_model(f"random:{family}")
-    config = source.hf_config
-    config.initializer_range = 0.2
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=g))
-            elif name.endswith(".bias"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=g))
-    model.eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    source.tokenizer.save_pretrained(folder)
-    return model
+    return save_random_model(folder, family, seed)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ class CompressionJob:
     future: object = None
     error: BaseException | None = None
     ready: object = None  # CUDA event: the request's last KV writes are done
+    prompt_tokens: int = 0  # the request's prompt length (a prompt within its share is kept whole)
     decoding: bool = True  # a compression while decoding, not the one right after a long prompt's prefill
     kept: tuple[int, int] = (0, 0)  # (leading, newest) entries the compression always keeps
 
@@ -43,7 +44,7 @@ class CompressionJob:
         """The tensor work alone (`Compressor.run_work`), as every tensor-parallel rank runs it."""
         return dict(source_table=self.source_table, query_slot=self.seq.query_slot, kv_len=self.kv_len,
                     targets=self.targets, first=self.first, num_scored=self.num_scored,
-                    prompt_tokens=self.seq.num_prompt_tokens, decoding=self.decoding)
+                    prompt_tokens=self.prompt_tokens, decoding=self.decoding)
 
 
 class Compressor:
@@ -112,7 +113,8 @@ class Compressor:
             seq=seq, kv_len=seq.kv_len, source_table=list(seq.block_table),
             targets=new_table[:self.budget_blocks], decode_block=new_table[self.budget_blocks],
             release=[b for b in seq.block_table if b not in chosen],
-            first=seq.times_compressed == 0, num_scored=seq.num_scored, decoding=decoding,
+            first=seq.times_compressed == 0, num_scored=seq.num_scored, prompt_tokens=seq.num_prompt_tokens,
+            decoding=decoding,
             kept=self.protected(seq.num_prompt_tokens, decoding))
 
     # -- the tensor work (any thread) ---------------------------------------------------
