@@ -16,7 +16,7 @@ from console_helpers import type_line, wait_for
 from zipage.engine.config import SamplingParams
 from zipage.engine.service import EngineThread
 from zipage.cli.chat import ChatApp, Message
-from zipage.cli.top import LoadGenerator, TopApp, prompt_source
+from zipage.cli.top import TopApp
 from zipage.cli.widgets import BlockTable
 
 # Small blocks and budget, so compression, prefix sharing and the pool map all show at a glance.
@@ -80,29 +80,44 @@ QUESTIONS = [PREAMBLE + q for q in ("Why is the sky blue?", "How do bees make ho
 
 @pytest.mark.parametrize("size", list(SIZES))
 def test_top_and_teaching_screenshots(smol, out_dir, size):
+    # The scene is set by hand, step by step, so it never depends on how fast the engine runs: two
+    # requests get compressed first, then four more arrive and share the prompts' prefix blocks.
+    for leftover in smol.snapshot(fresh=True).requests:  # the previous picture's requests
+        smol.abort(leftover.id)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    smol.pause()
+    try:
+        for c in conversations[:2]:
+            smol.submit(c, params)
+        for _ in range(400):
+            if sum(1 for r in smol.step_once().requests if r.times_compressed) >= 2:
+                break
+        for c in conversations[2:]:
+            smol.submit(c, params)
+        snap = smol.step_once()  # their prefill: the shared prefix comes from the cache
+        assert sum(1 for r in snap.requests if r.times_compressed) >= 2
+        assert sum(1 for r in snap.requests if r.blocks_shared) >= 3
+    finally:
+        smol.resume()
+
     async def run():
-        # Chat prompts share the template's system prefix (shared blocks); staggered arrivals put
-        # requests at different stages (private blocks, compressed targets).
-        for leftover in smol.snapshot(fresh=True).requests:  # the previous picture's load, still running
-            smol.abort(leftover.id)
-        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        load = LoadGenerator(smol, prompt_source(smol, QUESTIONS, 0, seed=0), params, concurrency=8, rate=1.5)
-        app = TopApp(smol, load)
+        app = TopApp(smol, None, teach=True)  # pauses the engine again at once
         async with app.run_test(size=SIZES[size]) as pilot:
-            def varied():
-                requests = smol.snapshot(fresh=True).requests
-                squeezed = sum(1 for r in requests if r.times_compressed)
-                sharing = sum(1 for r in requests if r.blocks_shared)
-                return squeezed >= 2 and sharing >= 3
-            await wait_for(pilot, varied)
-            app.action_teach()  # pause right away, before the moment passes
+            await wait_for(pilot, lambda: smol.paused and app.table.row_count > 0, what="the paused monitor")
             await pilot.pause(0.3)
             app.save_screenshot(str(out_dir / name("top", size)))
             compressed = [r.id for r in smol.snapshot(fresh=True).requests if r.times_compressed]
             app.table.move_cursor(row=app.table.get_row_index(str(compressed[0])))  # follow a compressed request
-            for _ in range(2):
+            # Step until the picture shows a decode step that recalls the selected request's compression
+            # (a step may compress it again).
+            for _ in range(40):
                 await pilot.press("space")
                 await app.workers.wait_for_complete()
+                await pilot.pause()
+                note = " ".join(str(app.query_one("#explain").render()).split())
+                if "decode step" in note and "latest compression" in note:
+                    break
             await pilot.pause(0.3)
             app.save_screenshot(str(out_dir / name("teach", size)))
 
