@@ -371,7 +371,7 @@ def markdown_table(results: dict, cell=None) -> str:
         sizes = blocks.get(label)
         return label if not sizes or label.endswith("blocks") else f"{label} ({'/'.join(map(str, sizes))} blocks)"
 
-    lines = [f"| configuration | " + " | ".join(head(b) for b in labels) + " |", "|---|" + "---|" * len(labels)]
+    lines = ["| configuration | " + " | ".join(head(b) for b in labels) + " |", "|---|" + "---|" * len(labels)]
     for row in results["rows"]:
         cells = [cell(row["by_budget"][b]) if b in row["by_budget"] else "" for b in labels]
         lines.append(f"| {row['configuration']} | " + " | ".join(cells) + " |")
@@ -414,3 +414,18 @@ def leaderboard(all_results: list[dict]) -> str:
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else math.nan
+
+
+def run_task(model: str, make_task, params: dict, budgets, block_size: int, window: int, device: str,
+             configurations, settings, json_path, progress) -> dict:
+    """What every task's `run` shares: the default budgets and rows, the model, the task's samples
+    (`make_task(tokenizer)`), then `evaluate` with progress bars."""
+    from zipage.engine.loader import resolve_model
+
+    budgets = budgets or parse_budgets("25%,50%,75%")
+    configurations = parse_configurations(None) if configurations is None else configurations
+    source = resolve_model(model)
+    task = make_task(source.tokenizer)
+    with progress or Progress(False) as bars:
+        return evaluate(task, source, model, configurations, budgets, block_size, window, settings or {},
+                        device, json_path, bars, params)

@@ -110,13 +110,6 @@ def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 4
         budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:
-    from zipage.engine.loader import resolve_model
-
-    budgets = budgets or ec.parse_budgets("25%,50%,75%")
-    configurations = ec.parse_configurations(None) if configurations is None else configurations
-    source = resolve_model(model)
-    task = build(source.tokenizer, split, num_samples, tokens)
-    params = {"split": split, "num_samples": num_samples, "tokens": tokens}
-    with progress or ec.Progress(False) as bars:
-        return ec.evaluate(task, source, model, configurations, budgets, block_size, window, settings or {},
-                           device, json_path, bars, params)
+    return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, tokens),
+                       {"split": split, "num_samples": num_samples, "tokens": tokens},
+                       budgets, block_size, window, device, configurations, settings, json_path, progress)

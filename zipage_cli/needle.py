@@ -102,14 +102,8 @@ def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 1
         depths=DEFAULT_DEPTHS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:
-    from zipage.engine.loader import resolve_model
-
     ec.check_count("num_samples", num_samples)
-    budgets = budgets or ec.parse_budgets("25%,50%,75%")
-    configurations = ec.parse_configurations(None) if configurations is None else configurations
-    source = resolve_model(model)
-    task, _ = build(source.tokenizer, split, num_samples, list(lengths), list(depths))
-    params = {"split": split, "num_samples": num_samples, "lengths": list(lengths), "depths": list(depths)}
-    with progress or ec.Progress(False) as bars:
-        return ec.evaluate(task, source, model, configurations, budgets, block_size, window, settings or {},
-                           device, json_path, bars, params)
+    lengths, depths = list(lengths), list(depths)
+    return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, lengths, depths)[0],
+                       {"split": split, "num_samples": num_samples, "lengths": lengths, "depths": depths},
+                       budgets, block_size, window, device, configurations, settings, json_path, progress)
