@@ -72,6 +72,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # explicit KV pool size; on CPU default is a safe share of RAM
     num_kv_blocks: int | None = None  # explicit block count (tests, teaching demos); overrides sizing
     enforce_eager: bool = False
+    overlap_steps: bool | None = None  # plan decode step N+1 while step N runs; None: on CUDA
     tensor_parallel_size: int = 1  # processes (one per GPU) sharing the model's heads and MLP columns
     seed: int = 0
 
@@ -103,6 +104,10 @@ class EngineConfig:
                      "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be True or False")
+        if self.overlap_steps not in (None, True, False):
+            _fail("overlap_steps", self.overlap_steps, "must be True, False or None (on for CUDA)")
+        if self.overlap_steps and self.tensor_parallel_size > 1:
+            _fail("overlap_steps", self.overlap_steps, "needs tensor_parallel_size=1")
         self._positive_int("max_cache_blocks_per_seq")
         self._positive_int("window")
         self._positive_int("max_num_seqs")

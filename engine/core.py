@@ -24,10 +24,10 @@ from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_S
                                   Compressed, EngineSnapshot, Event, Failed, Finished, MemoryInfo, PoolInfo, Preempted,
                                   Prefilled, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
-from zipage.engine.model_runner import ModelRunner, resolve_device
+from zipage.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
 from zipage.engine.models.parallel import TensorParallel, check_tensor_parallel
 from zipage.engine.tp_workers import TensorParallelWorkers
-from zipage.engine.scheduler import Scheduler
+from zipage.engine.scheduler import ScheduledBatch, Scheduler
 from zipage.engine.sequence import Sequence
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -93,6 +93,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.runner.num_query_slots,
                                    self.compressor)
         self.jobs: dict[int, CompressionJob] = {}  # compressions in flight, by request id
+        # Overlapped decode: the next step is planned and queued while the device runs this one.
+        self.overlap = (config.overlap_steps if config.overlap_steps is not None
+                        else device.type == "cuda" and self.tp_workers is None)
+        self.inflight: LaunchedStep | None = None  # a decode step whose tokens are not read yet
+        self.overlapped_steps = 0  # steps queued behind another before its tokens were read
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="zipage-compress")
                        if config.compression and config.async_compress else None)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
@@ -194,17 +199,21 @@ class EngineCore:
         return self._finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._land_compressions(block=False)
+        if self.inflight is not None:
+            overlapped = self._overlapped_step()
+            if overlapped is not None:
+                return outputs + overlapped
+            outputs += self._collect_inflight()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.jobs:  # only compressions are in flight: wait for one rather than spin
                 outputs += self._land_compressions(block=True)
             return outputs
-        now = time.monotonic()
         for seq in batch.admitted:
             self._log(Admitted(request=seq.id, time=time.time(), prompt_tokens=seq.num_prompt_tokens,
                                cached_tokens=seq.num_cached_prefix_tokens, blocks=len(seq.block_table)))
@@ -223,33 +232,115 @@ class EngineCore:
             if self.jobs and not batch.compress and not batch.preempted:
                 outputs += self._land_compressions(block=True)
             return outputs
+        launched = self._launch(batch)
+        if not isinstance(launched, LaunchedStep):
+            return outputs + launched
+        if self._may_overlap(batch):
+            self._apply_computed(batch, 0.0)
+            self.inflight = launched  # its tokens are read during the next step, after it is queued
+            return outputs
+        tokens, failed = self._collect(launched)
+        self._apply_computed(batch, time.monotonic() - launched.started)
+        return outputs + failed + self._apply_tokens(batch, tokens)
+
+    # -- overlapped decode: step N+1 is queued on the device before step N's ids are read ----------
+    def _may_overlap(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step may be planned before this batch's tokens are known: plain decode,
+        and nothing needs the host to see a token before the next forward (a repetition penalty
+        reads the whole context, teacher forcing and logit observers replace or read each row)."""
+        return (self.overlap and not batch.is_prefill and self.runner.logits_observer is None
+                and all(seq.params.repetition_penalty == 1.0 and seq.forced_tokens is None for seq in batch.seqs))
+
+    def _overlapped_step(self) -> list[RequestOutput] | None:
+        """Queue the next decode step behind the one in flight, then read and apply the one in flight.
+        None (nothing changed) when the next step is more than plain decode of the running requests:
+        then the step in flight is collected first and the step is planned as usual."""
+        previous = self.inflight
+        waiting_for = [previous.batch.seqs[i] for i in previous.sampling if not previous.batch.seqs[i].is_finished]
+        for seq in waiting_for:
+            seq.expect_token()
+        if not self.scheduler.plain_decode_ready():
+            for seq in waiting_for:
+                seq.forget_expected_token()
+            return None
+        batch = self.scheduler.schedule()
+        assert batch is not None and not (batch.is_prefill or batch.preempted or batch.compress or batch.exhausted), \
+            "plain_decode_ready() promised a plain decode step"
+        launched = self._launch(batch, previous)
+        self.overlapped_steps += 1
+        outputs = self._collect_inflight()
+        if not isinstance(launched, LaunchedStep):
+            return outputs + launched
+        # Only now are the tokens whose KV this step writes all known: block hashes read them.
+        self._apply_computed(batch, 0.0)
+        if self._may_overlap(batch):
+            self.inflight = launched
+            return outputs
+        tokens, failed = self._collect(launched)
+        return outputs + failed + self._apply_tokens(batch, tokens)
+
+    def _collect_inflight(self) -> list[RequestOutput]:
+        launched, self.inflight = self.inflight, None
+        tokens, failed = self._collect(launched)
+        return failed + self._apply_tokens(launched.batch, tokens)
+
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep | list[RequestOutput]:
+        """Queue the batch's forward; a failure ends the requests in it (not the engine)."""
+        started = time.monotonic()
         try:
-            tokens = self.runner.run(batch)
-        except Exception as e:  # a failed forward ends the requests in it, not the engine
-            return outputs + [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs]
+            launched = self.runner.launch(batch, previous)
+        except Exception as e:
+            return self._fail_batch(batch, e)
+        launched.started = started
         self.step_count += 1
         self.latency.stepped()
-        computed = sum(batch.num_new_tokens)
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> tuple[list[int | None], list[RequestOutput]]:
+        """The launched batch's tokens; a failure ends its requests (their outputs come second)."""
+        try:
+            return self.runner.collect(launched), []
+        except Exception as e:
+            return [None] * len(launched.batch.seqs), self._fail_batch(launched.batch, e)
+
+    def _fail_batch(self, batch: ScheduledBatch, e: Exception) -> list[RequestOutput]:
+        return [self._finish(seq, "error", error=f"{type(e).__name__}: {e}") for seq in batch.seqs
+                if not seq.is_finished]
+
+    def _apply_computed(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The batch's KV writes are queued: count them (and register the blocks they fill)."""
+        computed = 0
         for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:
+                continue
             n = batch.num_new_tokens[i]
+            computed += n
             seq.computed(n)
             self.blocks.commit_full_blocks(seq)
             if batch.is_prefill and not seq.in_prefill:
                 self._log(Prefilled(request=seq.id, time=time.time(), tokens=seq.num_computed_tokens,
-                                    seconds=round(time.monotonic() - now, 4)))
-            token = tokens[i]
-            if token is None:
+                                    seconds=round(seconds, 4)))
+        if batch.is_prefill:
+            self.meter.add(computed, 0)
+        else:
+            self.meter.add(0, computed)
+
+    def _apply_tokens(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+        """Append each sampled token (in place of its placeholder when the next step was planned
+        already), check the stop conditions, report."""
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
+            if token is None or seq.is_finished:
                 continue
-            seq.append_token(token)
+            if seq.expects_token:
+                seq.fill_token(token)
+            else:
+                seq.append_token(token)
             self.latency.token(seq.id, seq.arrival_time)
             self.totals["generated_tokens"] += 1
             out = self._after_token(seq, token)
             if out is not None:
                 outputs.append(out)
-        if batch.is_prefill:
-            self.meter.add(computed, 0)
-        else:
-            self.meter.add(0, computed)
         return outputs
 
     # -- compression ------------------------------------------------------------------
@@ -315,6 +406,7 @@ class EngineCore:
         return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        seq.forget_expected_token()  # a token still on the device is never reported
         self.scheduler.remove(seq)
         seq.finish(reason, error)
         self.totals["finished"] += 1
@@ -424,6 +516,7 @@ class EngineCore:
         self.closed = True
         for request_id in list(self.requests):
             self.abort(request_id)
+        self.inflight = None
         if self.worker is not None:
             self.worker.shutdown(wait=True)
         if self.tp_workers is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,19 @@ CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM fo
 CPU_KV_CAP_BYTES = 2 << 30
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly
 GPU_HEADROOM_BYTES = 1 << 30  # CUDA graphs, the compression stream's buffers, allocator slack
+
+
+@dataclass
+class LaunchedStep:
+    """A forward whose sampled ids may still be on their way to the host (`ModelRunner.collect`)."""
+
+    batch: ScheduledBatch
+    sampling: list[int]  # batch index of each sampled row
+    ids: torch.Tensor | None = None  # [rows] sampled ids, on the device
+    host_ids: torch.Tensor | None = None  # their host copy (pinned, written asynchronously on CUDA)
+    ready: "torch.cuda.Event | None" = None  # recorded after the copy
+    logits: torch.Tensor | None = None  # kept only for a logits observer (evaluation)
+    started: float = 0.0  # time.monotonic() at launch
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -247,12 +261,17 @@ class ModelRunner:
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
 
-    def unpack(self, packed: torch.Tensor, header: dict,
-               int32: bool = True) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def unpack(self, packed: torch.Tensor, header: dict, int32: bool = True,
+               inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """The forward's tensors on the device. int32=False leaves tables and lengths int64 views
-        of the upload (the decode graphs convert them while copying them in)."""
+        of the upload (the decode graphs convert them while copying them in). `inputs_from`
+        (rows, ids) puts ids still on the device into those rows of the input (an overlapped step)."""
         packed = packed.to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
+        if inputs_from is not None:
+            rows, source = inputs_from
+            ids_t.index_copy_(0, rows, source)
         tables_t = tables_t.view(header["num_seqs"], header["width"])
         fwd = ForwardBatch(
             is_prefill=header["is_prefill"],
@@ -267,17 +286,18 @@ class ModelRunner:
         return ids_t, pos_t, fwd
 
     @torch.inference_mode()
-    def forward_packed(self, packed: torch.Tensor, header: dict) -> torch.Tensor | None:
+    def forward_packed(self, packed: torch.Tensor, header: dict,
+                       inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward a packed batch; the logits of its sampling rows, or None when none samples.
         Every rank runs this in step: the collectives inside pair up."""
         rows = header["sample_rows"]
         if (not header["is_prefill"] and self.graphs is not None
                 and self.graphs.fits(header["num_seqs"], header["width"])):
-            logits = self.graphs.run(*self.unpack(packed, header, int32=False))
+            logits = self.graphs.run(*self.unpack(packed, header, int32=False, inputs_from=inputs_from))
             if len(rows) < logits.shape[0]:
                 logits = logits[upload(rows, self.device)]
             return logits if rows else None
-        input_ids, positions, fwd = self.unpack(packed, header)
+        input_ids, positions, fwd = self.unpack(packed, header, inputs_from=inputs_from)
         hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return None
@@ -286,22 +306,60 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the forward and sampling of one batch; the ids stay on the device until `collect`.
+        With `previous`, the input of every request that sampled there is its id from that step,
+        read on the device: the host never waited for it."""
         packed, header, sampling = self.pack(batch)
+        inputs_from = self._inputs_from(batch, previous) if previous is not None else None
         if self.workers is not None:
             self.workers.send("forward", packed, header)
-        logits = self.forward_packed(packed, header)
+        logits = self.forward_packed(packed, header, inputs_from)
+        step = LaunchedStep(batch, sampling)
         if logits is None:
-            return [None] * len(batch.seqs)
+            return step
         requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
-        tokens = self.sampler.sample(logits, requests)
-        out: list[int | None] = [None] * len(batch.seqs)
-        for row, (i, token) in enumerate(zip(sampling, tokens)):
-            seq = batch.seqs[i]
+        step.ids = self.sampler.sample_on_device(logits, requests)
+        if self.logits_observer is not None:
+            step.logits = logits
+        if self.device.type == "cuda":
+            step.host_ids = torch.empty(step.ids.shape, dtype=step.ids.dtype, pin_memory=True)
+            step.host_ids.copy_(step.ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        else:
+            step.host_ids = step.ids
+        return step
+
+    def _inputs_from(self, batch: ScheduledBatch, previous: LaunchedStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of this batch, their ids): the ids `previous` sampled for the same requests."""
+        row_of = {id(previous.batch.seqs[i]): row for row, i in enumerate(previous.sampling)}
+        pairs = [(i, row_of[id(seq)]) for i, seq in enumerate(batch.seqs) if id(seq) in row_of]
+        if not pairs or previous.ids is None:
+            return None
+        index = upload([i for i, _ in pairs] + [row for _, row in pairs], self.device)
+        rows, source_rows = index.split(len(pairs))
+        return rows, previous.ids.index_select(0, source_rows)
+
+    def collect(self, step: LaunchedStep) -> list[int | None]:
+        """The sampled token of each sequence of a launched batch (None where it did not sample);
+        waits for that step's copy only."""
+        out: list[int | None] = [None] * len(step.batch.seqs)
+        if step.ids is None:
+            return out
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host_ids.tolist()
+        for row, (i, token) in enumerate(zip(step.sampling, tokens)):
+            seq = step.batch.seqs[i]
             if self.logits_observer is not None:
-                self.logits_observer(seq, logits[row])
+                self.logits_observer(seq, step.logits[row])
             if seq.forced_tokens is not None and seq.num_output_tokens < len(seq.forced_tokens):
                 token = seq.forced_tokens[seq.num_output_tokens]
             out[i] = token
+        step.logits = None
         return out
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
+        return self.collect(self.launch(batch))

@@ -64,6 +64,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]]
                ) -> list[int]:
         """logits [batch, vocab] (float32, CPU or GPU); one (params, context ids, generator) per row."""
+        return self.sample_on_device(logits, requests).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor,
+                         requests: list[tuple[SamplingParams, list[int], torch.Generator | None]]) -> torch.Tensor:
+        """The chosen id of every row as an int64 tensor on the logits' device, without a host sync:
+        the caller copies it to the host when it needs the ids."""
         logits = logits.float()
         penalised = [i for i, (p, _, _) in enumerate(requests) if p.repetition_penalty != 1.0]
         if penalised:
@@ -73,17 +79,12 @@ class Sampler:
                 logits[i] = apply_repetition_penalty(logits[i], context, params.repetition_penalty)
         choice = logits.argmax(-1)  # greedy rows; sampled rows are overwritten below
         sampled = [i for i, (p, _, _) in enumerate(requests) if not p.greedy]
-        if sampled:
-            probs = torch.stack([filter_logits(logits[i], requests[i][0]) for i in sampled]).softmax(-1)
-            noise = torch.empty_like(probs)
-            device_gen = self._device_generator(logits.device)
-            for row, i in enumerate(sampled):
-                seed = int(torch.randint(0, 1 << 62, (1,), generator=requests[i][2] or self.generator))
-                noise[row].exponential_(generator=device_gen.manual_seed(seed))
-            # One copy to the host carries the greedy choice of every row and the sampled ones.
-            ids = torch.cat((choice, (probs / noise).argmax(-1))).tolist()
-            choice_ids = ids[:len(requests)]
-            for row, i in enumerate(sampled):
-                choice_ids[i] = ids[len(requests) + row]
-            return choice_ids
-        return choice.tolist()
+        if not sampled:
+            return choice
+        probs = torch.stack([filter_logits(logits[i], requests[i][0]) for i in sampled]).softmax(-1)
+        noise = torch.empty_like(probs)
+        device_gen = self._device_generator(logits.device)
+        for row, i in enumerate(sampled):
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=requests[i][2] or self.generator))
+            noise[row].exponential_(generator=device_gen.manual_seed(seed))
+        return choice.index_copy(0, upload(sampled, logits.device), (probs / noise).argmax(-1))

@@ -130,6 +130,25 @@ class Scheduler:
             return batch
         return self._schedule_decode()
 
+    def plain_decode_ready(self) -> bool:
+        """Whether the next `schedule()` is one decode token for every running request and nothing
+        else: none waits to be admitted, no prefill is part-way, none reaches a compression point or a
+        window without a query slot, and the pool has a block for each request that needs one."""
+        if self.waiting:
+            return False
+        needed, decoding = 0, 0
+        for seq in self.running:
+            if seq.status is Status.COMPRESSING:
+                continue  # it skips decode until its compression lands, as in any step
+            if seq.status is not Status.RUNNING or seq.in_prefill:
+                return False
+            if self.geometry is not None and (self.geometry.needs_compression(seq) or (
+                    seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None)):
+                return False
+            needed += self.blocks.needs_new_block(seq)
+            decoding += 1
+        return decoding > 0 and needed <= self.blocks.num_free
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         seqs, counts, admitted = [], [], []

@@ -19,6 +19,7 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+UNKNOWN_TOKEN = -1  # stands for a token sampled on the device whose id the host has not read yet
 
 
 class Sequence:
@@ -151,6 +152,25 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    # -- overlapped steps: the next step is planned before this step's token is read ----------
+    def expect_token(self) -> None:
+        """Its next token is being sampled on the device: hold its place, so the next step can be
+        planned (lengths, blocks) before the id is known."""
+        self.token_ids.append(UNKNOWN_TOKEN)
+
+    @property
+    def expects_token(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] == UNKNOWN_TOKEN
+
+    def fill_token(self, token_id: int) -> None:
+        """The expected token arrived: it takes its place."""
+        self.token_ids.pop()
+        self.append_token(token_id)
+
+    def forget_expected_token(self) -> None:
+        if self.expects_token:
+            self.token_ids.pop()
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.id}, status={self.status.value}, tokens={self.num_tokens}, "

@@ -42,6 +42,7 @@ KNOB_HELP = {
     "kv_cache_gb": "Size the KV pool explicitly, in GiB.",
     "num_kv_blocks": "Size the KV pool explicitly, in blocks.",
     "enforce_eager": "Never capture CUDA graphs.",
+    "overlap_steps": "Plan each decode step while the device runs the previous one (default: on for CUDA).",
     "tensor_parallel_size": "Processes (one per GPU) that share the model's heads and MLP columns.",
     "seed": "Seed of the engine (random weights, random eviction, unseeded sampling).",
     "recent_share": "While decoding, share of the budget (after a kept prompt) always kept for the newest entries.",

@@ -1,0 +1,129 @@
+"""Overlapped decode: planning step N+1 before step N's tokens are read changes nothing a request
+sees. Each test serves the same requests with `overlap_steps` off and on (the CPU runs the same
+code path as CUDA, only synchronously) and compares tokens, text, finish reasons and totals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from compression_helpers import build_random_model, check_step, greedy, make_engine, random_prompts, run, assert_drained
+from zipage.engine import SamplingParams
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return build_random_model(tmp_path_factory.mktemp("zipage-overlap"), "qwen3-tiny", seed=5)
+
+
+def serve(path, requests, overlap: bool, **knobs):
+    """Outputs (by submission order) of (prompt, params) requests served together, the engine's
+    totals and how many steps were overlapped; the invariants hold after every step."""
+    engine = make_engine(path, overlap_steps=overlap, **knobs)
+    try:
+        seqs = [engine.add_request(prompt, params, stream=stream) for prompt, params, stream in requests]
+        done = run(engine)
+        assert_drained(engine)
+        return [done[s.id] for s in seqs], dict(engine.totals), engine.overlapped_steps
+    finally:
+        engine.close()
+
+
+def same_outputs(path, requests, **knobs):
+    plain, plain_totals, none = serve(path, requests, overlap=False, **knobs)
+    overlapped, totals, count = serve(path, requests, overlap=True, **knobs)
+    assert none == 0
+    for a, b in zip(plain, overlapped):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text
+        assert (b.finish_reason, b.num_output_tokens) == (a.finish_reason, a.num_output_tokens)
+        assert -1 not in b.token_ids
+    assert totals == plain_totals
+    return overlapped, count
+
+
+@pytest.mark.parametrize("compression", [False, True])
+def test_most_decode_steps_overlap_and_outputs_match(model_path, compression):
+    prompts = random_prompts(4, [7, 20, 33, 50], seed=1)
+    requests = [(p, greedy(m), False) for p, m in zip(prompts, [40, 60, 17, 80])]
+    outputs, overlapped = same_outputs(model_path, requests, compression=compression)
+    assert [o.num_output_tokens for o in outputs] == [40, 60, 17, 80]
+    # 80 decode steps in all; only the steps around admissions, compressions and the end are not overlapped
+    assert overlapped >= (40 if compression else 60)
+
+
+def test_early_stops_sampling_and_streams_match(model_path):
+    """Requests that stop on a token id, on a stop string or by length, sampled with a seed or from
+    the engine's seed, streamed or not: the token after a stop is computed but never reported."""
+    prompts = random_prompts(5, [9, 15, 22, 30, 12], seed=2)
+    reference, _, _ = serve(model_path, [(prompts[0], greedy(30), False)], overlap=False)
+    stop_id = reference[0].token_ids[11]
+    stop_text = reference[0].text[len(reference[0].text) // 2:][:3]
+    requests = [
+        (prompts[0], greedy(30, stop_token_ids=[stop_id]), True),
+        (prompts[1], greedy(25, stop=[stop_text] if stop_text.strip() else None), True),
+        (prompts[2], SamplingParams(temperature=0.9, top_p=0.9, max_tokens=28, seed=7, ignore_eos=True), True),
+        (prompts[3], SamplingParams(temperature=1.0, top_k=20, max_tokens=33, ignore_eos=True), False),
+        (prompts[4], greedy(1), True),
+    ]
+    outputs, overlapped = same_outputs(model_path, requests)
+    assert outputs[0].finish_reason == "stop" and outputs[0].num_output_tokens <= 12
+    assert overlapped > 10
+
+
+def test_a_repetition_penalty_is_served_synchronously_beside_overlapped_requests(model_path):
+    prompts = random_prompts(3, [10, 18, 25], seed=3)
+    requests = [(prompts[0], greedy(30, repetition_penalty=1.3), False),
+                (prompts[1], greedy(30), False), (prompts[2], greedy(45), False)]
+    _, overlapped = same_outputs(model_path, requests)
+    assert overlapped >= 10  # once the penalised request is done, the others overlap
+
+
+def test_model_length_limit(model_path):
+    prompts = random_prompts(2, [20, 30], seed=4)
+    requests = [(p, greedy(100), False) for p in prompts]
+    outputs, _ = same_outputs(model_path, requests, max_model_len=48, compression=False)
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert [o.num_output_tokens for o in outputs] == [28, 18]
+
+
+def test_abort_while_a_step_is_in_flight(model_path):
+    """A request aborted while its next token is still on the device ends with the tokens it had
+    reported; the others are unaffected and every block comes back."""
+    prompts = random_prompts(3, [12, 16, 20], seed=6)
+    reference, _, _ = serve(model_path, [(p, greedy(40), False) for p in prompts], overlap=False)
+    engine = make_engine(model_path, overlap_steps=True)
+    try:
+        seqs = [engine.add_request(p, greedy(40)) for p in prompts]
+        while engine.overlapped_steps < 5:
+            engine.step()
+            check_step(engine)
+        assert engine.inflight is not None and seqs[1] in engine.inflight.batch.seqs
+        reported = seqs[1].num_output_tokens
+        aborted = engine.abort(seqs[1].id)
+        assert aborted.finish_reason == "abort" and -1 not in aborted.token_ids
+        assert aborted.token_ids == reference[1].token_ids[:reported]
+        done = run(engine)
+        assert done[seqs[0].id].token_ids == reference[0].token_ids
+        assert done[seqs[2].id].token_ids == reference[2].token_ids
+        assert seqs[1].id not in done
+        assert_drained(engine)
+    finally:
+        engine.close()
+
+
+@settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4), chunk=st.integers(1, 80),
+       pool=st.integers(8, 40), max_tokens=st.lists(st.integers(1, 50), min_size=4, max_size=4),
+       compression=st.booleans(), seed=st.integers(0, 10_000))
+def test_outputs_never_depend_on_overlap(model_path, lengths, chunk, pool, max_tokens, compression, seed):
+    """Any mix of prompt lengths, chunked prefill, tight pools (preemption) and compression."""
+    prompts = random_prompts(len(lengths), lengths, seed=seed)
+    pool = max(pool, -(-max(lengths) // 16) + 2)
+    requests = [(p, greedy(m), False) for p, m in zip(prompts, max_tokens)]
+    same_outputs(model_path, requests, num_kv_blocks=pool, max_num_batched_tokens=chunk, compression=compression)
