@@ -693,6 +693,42 @@ def check_engine_compression(report: Report, s: Sizes) -> None:
             report.checks[-1]["passed"] = False
 
 
+def check_overlapped_decode(report: Report, s: Sizes) -> None:
+    """Overlapped decode steps (step N+1 queued before step N's ids are read) against synchronous
+    steps on the device: CUDA graphs, compression on with asynchronous compaction, greedy, seeded
+    sampling and early stops. The same requests should get the same tokens."""
+    from zipage.engine import LLM, SamplingParams
+
+    device = s.device
+    new_tokens = 120 if device == "cuda" else 30
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (5, 17, 40, 64, 90, 9, 33, 21)]
+    params = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=new_tokens, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=new_tokens // 3, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=30, max_tokens=new_tokens, ignore_eos=True)] * 2
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=4)
+        runs = {}
+        for overlap in (False, True):
+            llm = LLM(str(folder), device=device, dtype="float32", compression=True, block_size=16, window=8,
+                      max_cache_blocks_per_seq=4, num_kv_blocks=256, overlap_steps=overlap)
+            try:
+                outs = llm.generate(prompts, params)
+                runs[overlap] = ([o.token_ids for o in outs], llm.engine.totals["compressions"],
+                                 llm.engine.overlapped_steps)
+            finally:
+                llm.close()
+    (sync, n_sync, _), (over, n_over, overlapped) = runs[False], runs[True]
+    same = sum(a == b for a, b in zip(sync, over))
+    report.check("overlapped decode: same tokens as synchronous", float(len(prompts) - same), 0,
+                 f"{same}/{len(prompts)} requests identical; compressions {n_sync} vs {n_over}; "
+                 f"{overlapped} steps overlapped", exact=True)
+    if overlapped == 0 or n_over == 0:
+        report.checks[-1]["passed"] = False
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Timings
 
@@ -799,7 +835,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,parity,compression_engine,timing")
+                        "cache,decode,prefill,scores,pipeline,graph,fused,parity,compression_engine,overlap,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
     args = parser.parse_args(argv)
@@ -834,6 +870,7 @@ def main(argv=None) -> int:
     plan += [
         ("parity", "engine parity (greedy, fp32) vs transformers", lambda: check_engine_parity(report, s)),
         ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
+        ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

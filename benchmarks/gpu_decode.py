@@ -13,6 +13,7 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
   loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
+--overlap on|off forces overlapped decode steps on or off (default: the engine's choice, on for CUDA).
 --variants picks the layer chains: fused (the Triton kernels the engine registers), reference
 (the PyTorch reference chains, several kernels each) or compile (the reference chains through
 torch.compile); K/V stores go through Triton in all three.
@@ -249,6 +250,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--loaded-context", type=int, default=2000)
     parser.add_argument("--compression", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                        help="plan each decode step while the previous one runs (auto: the engine's default)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
@@ -277,7 +280,8 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         try:
             engine = EngineCore(EngineConfig(model=args.model, device=args.device,
-                                             compression=bool(args.compression), seed=args.seed))
+                                             compression=bool(args.compression), seed=args.seed,
+                                             overlap_steps={"auto": None, "on": True, "off": False}[args.overlap]))
         except Exception as e:  # record and go on to the next variant
             r["error"] = f"{type(e).__name__}: {e}"
             log(f"  error: {r['error']}")
