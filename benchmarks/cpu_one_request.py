@@ -38,7 +38,7 @@ def engine_breakdown(model: str, input_len: int, output_len: int) -> None:
 
     llm = LLM(model, device="cpu", num_kv_blocks=64)
     attention, forward = [], []
-    decode_attention, run = kernels.paged_decode_attention, llm.engine.runner.run
+    decode_attention, launch = kernels.paged_decode_attention, llm.engine.runner.launch
 
     def timed_attention(*args, **kwargs):
         start = time.perf_counter()
@@ -46,14 +46,14 @@ def engine_breakdown(model: str, input_len: int, output_len: int) -> None:
         attention.append(time.perf_counter() - start)
         return out
 
-    def timed_run(batch):
+    def timed_launch(batch, previous=None):  # on the CPU a launch runs the forward to the end
         start = time.perf_counter()
-        out = run(batch)
+        out = launch(batch, previous)
         if not batch.is_prefill:
             forward.append(time.perf_counter() - start)
         return out
 
-    kernels.paged_decode_attention, llm.engine.runner.run = timed_attention, timed_run
+    kernels.paged_decode_attention, llm.engine.runner.launch = timed_attention, timed_launch
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(random_prompts(llm.engine.vocab_size, 1, input_len, seed=1), params)  # warm-up
     attention.clear(), forward.clear()

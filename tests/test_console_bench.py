@@ -92,14 +92,14 @@ def test_kv_footprint_is_what_the_engine_holds(compression):
     for p, n in zip(prompt_lens, output_lens):
         engine.add_request(list(range(3, 3 + p)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     held = []
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def run_and_count(batch):  # a decode batch's tables already hold the block for the new token
+    def launch_and_count(batch, previous=None):  # a decode batch's tables already hold the block for the new token
         if not batch.is_prefill:
             held.extend(len(seq.block_table) for seq in batch.seqs)
-        return run(batch)
+        return launch(batch, previous)
 
-    engine.runner.run = run_and_count
+    engine.runner.launch = launch_and_count
     while engine.has_work():
         engine.step()
     engine.close()

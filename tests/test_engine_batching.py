@@ -11,17 +11,17 @@ MIXED_LENGTHS = [3, 70, 17, 1, 45, 33, 8, 120, 16, 32, 5, 64, 27, 90, 2, 48]
 
 
 class PrefillCounter:
-    """Wraps a runner's `run` to record how many tokens each prefill step computed."""
+    """Wraps a runner's `launch` to record how many tokens each prefill step computed."""
 
     def __init__(self, llm):
         self.runner = llm.engine.runner
-        self.inner = self.runner.run
+        self.inner = self.runner.launch
         self.prefill_tokens = 0
         self.prefill_steps = 0
         self.max_step_tokens = 0
         self.batch_sizes = []
 
-        def run(batch):
+        def launch(batch, previous=None):
             if batch.is_prefill:
                 n = sum(batch.num_new_tokens)
                 self.prefill_tokens += n
@@ -29,12 +29,12 @@ class PrefillCounter:
                 self.max_step_tokens = max(self.max_step_tokens, n)
             else:
                 self.batch_sizes.append(len(batch.seqs))
-            return self.inner(batch)
+            return self.inner(batch, previous)
 
-        self.runner.run = run
+        self.runner.launch = launch
 
     def close(self):
-        del self.runner.run  # back to the class method
+        del self.runner.launch  # back to the class method
 
 
 # ------------------------------------------------------------------------------------------
