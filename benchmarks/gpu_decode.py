@@ -13,9 +13,11 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
   loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
---variants picks the layer chains: fused (the Triton kernels the engine registers), reference
-(the PyTorch reference chains, several kernels each) or compile (the reference chains through
-torch.compile); K/V stores go through Triton in all three.
+--variants picks the layer chains: fused (the Triton kernels the engine registers), cublas (the
+same, but decode products through cuBLAS with the norms and SiLU as their own kernels, as prefill
+runs), reference (the PyTorch reference chains, several kernels each) or compile (the reference
+chains through torch.compile); K/V stores go through Triton in all of them. --skinny-table loads
+the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of the committed table.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ def use_variant(variant: str) -> None:
     triton_ops.register()
     if variant == "fused":
         return
-    if variant not in ("reference", "compile"):
+    if variant not in ("cublas", "reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")
+    for name in kernels.SKINNY_NAMES:  # products through cuBLAS, chains as their own kernels
+        kernels.TRITON_IMPLS.pop(name, None)
+    if variant == "cublas":
+        return
     compile_ = torch.compile if variant == "compile" else (lambda fn, **_: fn)
 
     def norm_rope(qkv, cos, sin, q_norm, k_norm, eps, kv_heads: int, head_dim: int):
@@ -252,7 +258,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
+    parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run")
     args = parser.parse_args(argv)
+    if args.skinny_table:
+        from gpu_skinny import load_table
+
+        print(f"skinny table: {len(load_table(args.skinny_table))} shapes from {args.skinny_table}", flush=True)
 
     from zipage.engine.config import EngineConfig
     from zipage.engine.core import EngineCore

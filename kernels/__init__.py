@@ -9,6 +9,10 @@ import torch
 
 from zipage.kernels import reference
 
+# Decode products with at most this many rows of x run as Triton skinny products on CUDA
+# (kernels.triton_linear); more rows are left to cuBLAS.
+SKINNY_MAX_ROWS = 16
+
 # name -> Triton implementation with the reference's signature; filled in by kernels.triton_ops on CUDA.
 TRITON_IMPLS: dict[str, object] = {}
 
@@ -42,4 +46,14 @@ rms_norm = _dispatch("rms_norm")
 add_rms_norm = _dispatch("add_rms_norm")
 silu_and_mul = _dispatch("silu_and_mul")
 qk_norm_rope_store = _dispatch("qk_norm_rope_store")
+linear = _dispatch("linear")
+norm_linear = _dispatch("norm_linear")
+silu_mul_linear = _dispatch("silu_mul_linear")
 gather_kv = reference.gather_kv
+
+SKINNY_NAMES = ("linear", "norm_linear", "silu_mul_linear")
+
+
+def skinny_registered() -> bool:
+    """The skinny products (and their fused prologues) have Triton implementations registered."""
+    return all(name in TRITON_IMPLS for name in SKINNY_NAMES)
