@@ -1,7 +1,7 @@
 """Skinny decode products on the GPU: block sizes per shape, against cuBLAS, and a layer's products
 with and without the fused prologues.
 
-    python3 benchmarks/gpu_skinny.py --out DIR [--jobs 14]
+    python3 benchmarks/gpu_skinny.py --out DIR [--jobs 14] [--table committed]
 
 1. sweep: for each (N, K) of the Qwen3-0.6B and -8B projections and LM heads, with 1 and 16 rows,
    every candidate kernels.triton_linear.Config, timed as a CUDA graph of back-to-back products whose
@@ -203,7 +203,7 @@ def layer_chains(out: dict, jobs: int, log) -> None:
     eps = 1e-6
     # Compile the picked configs with every prologue first.
     job_list = [(n, k, rows, asdict(c), p, False, "bfloat16") for (n, k), pair in tlin.TABLE.items() if n < 100000
-                for rows, c in zip((1, 16), pair) for p in (tlin.NORM, tlin.ADD_NORM, tlin.SILU_MUL)]
+                for rows, c in zip((1, 16), pair) for p in (tlin.PLAIN, tlin.NORM, tlin.ADD_NORM, tlin.SILU_MUL)]
     precompile(job_list, jobs)
     rows_out = out.setdefault("layers", [])
     for model in MODELS:
@@ -255,7 +255,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
-    parser.add_argument("--table", default=None, help="skip the sweep: time the layers with this table")
+    parser.add_argument("--table", default=None, help="skip the sweep: time the layers with this table "
+                        "('committed': kernels.triton_linear.TABLE as it is)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
@@ -267,7 +268,9 @@ def main(argv=None) -> None:
             json.dump(out, f, indent=1)
 
     try:
-        if args.table:
+        if args.table == "committed":
+            pass
+        elif args.table:
             load_table(args.table)
         else:
             sweep(out, args.jobs, log)

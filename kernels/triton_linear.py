@@ -42,9 +42,24 @@ class Config:
     num_stages: int = 3
 
 
-# Measured on the H200 (bf16, CUDA graphs; benchmarks/gpu_skinny.py), keyed on (N, K) of the
-# Qwen3-0.6B and -8B projections: (config for one row, config for 2-16 rows).
-TABLE: dict[tuple[int, int], tuple[Config, Config]] = {}
+# The fastest of ~100 candidates per shape on the H200 (bf16, weights cold in L2, back-to-back in a
+# CUDA graph; benchmarks/gpu_skinny.py), keyed on (N, K) of the Qwen3-0.6B and -8B projections:
+# (config for one row, config for 2-16 rows).
+TABLE: dict[tuple[int, int], tuple[Config, Config]] = {
+    (4096, 1024): (Config(16, 512, dot=False), Config(32, 128, num_stages=5)),  # qwen3-0.6b qkv
+    (1024, 2048): (Config(32, 256, split_k=8, num_stages=5), Config(32, 256, split_k=8)),  # qwen3-0.6b o
+    (6144, 1024): (Config(16, 512, dot=False), Config(64, 128, num_stages=5)),  # qwen3-0.6b gate_up
+    (1024, 3072): (Config(32, 128, split_k=8), Config(32, 128, split_k=4, num_stages=5)),  # qwen3-0.6b down
+    (6144, 4096): (Config(16, 512, dot=False), Config(64, 512)),  # qwen3-8b qkv
+    (4096, 4096): (Config(64, 128, split_k=4), Config(32, 256, num_stages=5)),  # qwen3-8b o
+    (24576, 4096): (Config(16, 256, dot=False), Config(64, 128)),  # qwen3-8b gate_up
+    (4096, 12288): (Config(64, 128, split_k=8), Config(32, 256, num_stages=5)),  # qwen3-8b down
+}
+
+
+# Products of at most this many rows fold their norm or SiLU into the prologue; larger ones run
+# the elementwise kernel first (benchmarks/gpu_skinny.py times both per layer).
+FOLD_MAX_ROWS = MAX_ROWS
 
 
 def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
@@ -65,33 +80,29 @@ def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
 
 
 @triton.jit
-def _x_tile(x_rows, r_rows, nw_ptr, inv, ks, k_ok, K,
-            PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
-    """The [rows, BLOCK_K] tile of the product's input at columns ks, in the weight's dtype
-    (rounded where the unfused chain would store it). Zero past k_ok."""
-    if EVEN_K:
-        x = tl.load(x_rows + ks[None, :])
+def _x_side(x_rows, r_rows, nw_ptr, ks, k_ok, K, PROLOGUE: tl.constexpr):
+    """The loads a prologue makes for one K tile: (x, the residual or up half, the norm weight).
+    Always masked: they also prefetch one tile past the program's range."""
+    a = tl.load(x_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+    if PROLOGUE == 3:
+        b = tl.load(x_rows + K + ks[None, :], mask=k_ok[None, :], other=0.0)
+    elif PROLOGUE == 2:
+        b = tl.load(r_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
     else:
-        x = tl.load(x_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-    if PROLOGUE == 2:
-        if EVEN_K:
-            x = x + tl.load(r_rows + ks[None, :])
-        else:
-            x = x + tl.load(r_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        b = a
     if PROLOGUE == 1 or PROLOGUE == 2:
-        if EVEN_K:
-            nw = tl.load(nw_ptr + ks)
-        else:
-            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
-        x = x.to(tl.float32) * inv[:, None] * nw.to(tl.float32)[None, :]
-    if PROLOGUE == 3:  # x holds gate then up, K columns each
-        if EVEN_K:
-            up = tl.load(x_rows + K + ks[None, :])
-        else:
-            up = tl.load(x_rows + K + ks[None, :], mask=k_ok[None, :], other=0.0)
-        gate = x.to(tl.float32)
-        x = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
-    return x.to(DTYPE)
+        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
+    else:
+        nw = tl.zeros([ks.shape[0]], a.dtype)
+    return a, b, nw
+
+
+@triton.jit
+def _accumulate(acc, x, w, DOT: tl.constexpr, PREC: tl.constexpr):
+    if DOT:
+        return acc + tl.dot(x, tl.trans(w), input_precision=PREC)
+    # broadcast-multiply-and-sum: [rows, BLOCK_N, BLOCK_K], summed over K after the loop
+    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for 1-16 rows
@@ -103,10 +114,15 @@ def _skinny_kernel(
     PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """Program (n, s): output columns n * BLOCK_N.. of every row, over K columns s * k_split.. ."""
+    """Program (n, s): output columns n * BLOCK_N.. of every row, over K columns s * k_split.. .
+
+    RMSNorm is linear in x up to a per-row scale: the tile is multiplied by the norm weight only,
+    the sum of squares is gathered in the same loop, and the scale 1/rms is applied to the
+    accumulator at the end (after the split-K sum). No pass over x ahead of the product."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = w_ptr.dtype.element_ty
+    NORMS: tl.constexpr = PROLOGUE == 1 or PROLOGUE == 2
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     rm = tl.minimum(m, M - 1).to(tl.int64)  # padding rows repeat the last row, never stored
@@ -116,72 +132,88 @@ def _skinny_kernel(
     x_rows = x_ptr + rm[:, None] * s_xm
     r_rows = r_ptr + rm[:, None] * s_rm
     kk = tl.arange(0, BLOCK_K)
-
-    inv = tl.zeros([M_PAD], tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        # Every program normalises its own copy of the rows (a few KiB, from L2); program (0, 0)
-        # also writes the residual sum.
-        writer = (pid_n == 0) & (pid_k == 0)
-        sq = tl.zeros([M_PAD, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + kk
-            k_ok = ks < K
-            if EVEN_K:
-                x = tl.load(x_rows + ks[None, :])
-            else:
-                x = tl.load(x_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-            if PROLOGUE == 2:
-                # rounded to the stream's dtype first, as the reference's x + residual is
-                if EVEN_K:
-                    x = x + tl.load(r_rows + ks[None, :])
-                else:
-                    x = x + tl.load(r_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-                tl.store(sum_ptr + rm[:, None] * s_sm + ks[None, :], x,
-                         mask=writer & m_ok[:, None] & k_ok[None, :])
-            xf = x.to(tl.float32)
-            sq += xf * xf
-        inv = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if DOT:
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     else:
-        acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + kk
-        k_ok = ks < k_hi
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-        x = _x_tile(x_rows, r_rows, nw_ptr, inv, ks, k_ok, K, PROLOGUE, EVEN_K, dtype)
-        if DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([M_PAD, BLOCK_K], tl.float32)
+
+    if PROLOGUE == 0:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + kk
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :])
+                x = tl.load(x_rows + ks[None, :])
+            else:
+                k_ok = ks < k_hi
+                w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+            acc = _accumulate(acc, x, w, DOT, PREC)
+    else:
+        # The x side is loaded one tile ahead: its latency hides behind this tile's work, as the
+        # compiler's pipelining hides W's.
+        a, b, nw = _x_side(x_rows, r_rows, nw_ptr, k_lo + kk, k_lo + kk < k_hi, K, PROLOGUE)
+        writer = pid_n == 0  # the column tiles of split 0.. write the residual sum, once each
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + kk
+            k_ok = ks < k_hi
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :])
+            else:
+                w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+            na, nb, nnw = _x_side(x_rows, r_rows, nw_ptr, ks + BLOCK_K, ks + BLOCK_K < k_hi, K, PROLOGUE)
+            if PROLOGUE == 3:  # x holds gate then up, K columns each
+                gate = a.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * b.to(tl.float32)).to(dtype)
+            else:
+                if PROLOGUE == 2:
+                    # rounded to the stream's dtype first, as the reference's x + residual is
+                    a = a + b
+                    tl.store(sum_ptr + rm[:, None] * s_sm + ks[None, :], a,
+                             mask=writer & m_ok[:, None] & k_ok[None, :])
+                af = a.to(tl.float32)
+                sq += af * af
+                x = (af * nw.to(tl.float32)[None, :]).to(dtype)
+            acc = _accumulate(acc, x, w, DOT, PREC)
+            a, b, nw = na, nb, nnw
     if not DOT:
-        acc = tl.sum(acc3, axis=2)
+        acc = tl.sum(acc, axis=2)
+    sumsq = tl.sum(sq, axis=1)
 
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
-        # Partials to the workspace; the last program of this column tile sums them in order.
+        # Partials (and the slices' sums of squares) to the workspace; the last program of this
+        # column tile to arrive sums them in order.
         part = ws_ptr + m[:, None] * N + rn[None, :]
         tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        sq_part = ws_ptr + SPLIT_K * M * N + pid_n * SPLIT_K * M + m  # per column tile: no waiting on others
+        if NORMS:
+            tl.store(sq_part + pid_k * M, sumsq, mask=m_ok)
         tl.debug_barrier()  # every thread's partial is written before the count goes up
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+            sumsq = tl.zeros([M_PAD], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 acc += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + m[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                if NORMS:
+                    sumsq += tl.load(sq_part + s * M, mask=m_ok, other=0.0, cache_modifier=".cg")
+            _finish(acc, sumsq, K, eps, b_ptr, y_ptr, m, rn, n_ok, out_mask, s_ym, NORMS, HAS_BIAS)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next product (and graph replay)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        _finish(acc, sumsq, K, eps, b_ptr, y_ptr, m, rn, n_ok, out_mask, s_ym, NORMS, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc, sumsq, K, eps, b_ptr, y_ptr, m, rn, n_ok, out_mask, s_ym,
+            NORMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if NORMS:
+        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +258,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     even_k = k % cfg.block_k == 0
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if prologue == ADD_NORM else None
-    ws = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    # split-K: the partial products, then each (column tile, split)'s sums of squares of the rows
+    ws = torch.empty(split * rows * (n + tiles), dtype=torch.float32, device=x.device) if split > 1 else y
     r = residual if residual is not None else x
     s = summed if summed is not None else x
     _skinny_kernel[(tiles, split)](
@@ -267,18 +300,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows(x)
-    if not _fits(x2, weight) or x.dim() != 2 or (residual is not None and residual.stride(-1) != 1):
+    if (_fits(x2, weight) and x.dim() == 2 and x2.shape[0] <= FOLD_MAX_ROWS
+            and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
-            return F.linear(triton_fused.rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, summed = triton_fused.add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight, bias), summed
+            return skinny_matmul(x2, weight, bias, NORM, None, norm_weight, eps)[0], x
+        return skinny_matmul(x2, weight, bias, ADD_NORM, residual, norm_weight, eps)
     if residual is None:
-        return skinny_matmul(x2, weight, bias, NORM, None, norm_weight, eps)[0], x
-    return skinny_matmul(x2, weight, bias, ADD_NORM, residual, norm_weight, eps)
+        return linear(triton_fused.rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, summed = triton_fused.add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = _rows(x)
-    if not _fits(x2, weight) or x.dim() != 2:
-        return F.linear(triton_fused.silu_and_mul(x), weight, bias)
-    return skinny_matmul(x2, weight, bias, SILU_MUL)[0]
+    if _fits(x2, weight) and x.dim() == 2 and x2.shape[0] <= FOLD_MAX_ROWS:
+        return skinny_matmul(x2, weight, bias, SILU_MUL)[0]
+    return linear(triton_fused.silu_and_mul(x), weight, bias)

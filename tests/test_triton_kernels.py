@@ -451,9 +451,12 @@ def test_skinny_split_k_is_repeatable():
     assert not tlin._counters[x.device].any()
 
 
-def test_skinny_public_signatures():
-    """The dispatch-facing functions: default configs, leading dims, bias, and more rows than a
-    skinny product takes (the cuBLAS/fused-kernel chain)."""
+@pytest.mark.parametrize("fold", [tlin.MAX_ROWS, 0])
+def test_skinny_public_signatures(fold, monkeypatch):
+    """The dispatch-facing functions: default configs, leading dims, bias, more rows than a skinny
+    product takes (the cuBLAS/fused-kernel chain), and with the norm and SiLU as their own kernels
+    before the skinny product (fold 0)."""
+    monkeypatch.setattr(tlin, "FOLD_MAX_ROWS", fold)
     gen = torch.Generator().manual_seed(4)
     w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
     norm_w = torch.rand(80, generator=gen) + 0.5
