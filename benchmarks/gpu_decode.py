@@ -13,9 +13,10 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
   loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
---variants picks the layer chains: fused (the Triton kernels the engine registers), unfolded (the
-same, but the norms and SiLU of decode steps as their own kernels before the skinny products),
-cublas (decode products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
+--variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
+unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
+kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
+products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
 chains through torch.compile); K/V stores go through Triton in all of them. --skinny-table loads
 the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of the committed table.
 """
@@ -32,21 +33,22 @@ import time
 import torch
 
 FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
-FOLD_MAX_ROWS = None  # the committed kernels.triton_linear.FOLD_MAX_ROWS, read on first use
+COMMITTED: dict = {}  # the skinny-path settings as committed, read on first use
 
 
 def use_variant(variant: str) -> None:
     """Route the layer chains through one implementation (see the module docstring)."""
-    global FOLD_MAX_ROWS
     from zipage import kernels
     from zipage.kernels import reference, triton_cache, triton_linear, triton_ops
 
-    if FOLD_MAX_ROWS is None:
-        FOLD_MAX_ROWS = triton_linear.FOLD_MAX_ROWS
-
+    if not COMMITTED:
+        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS)
     triton_ops.register()
-    triton_linear.FOLD_MAX_ROWS = 0 if variant == "unfolded" else FOLD_MAX_ROWS
-    if variant in ("fused", "unfolded"):
+    kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
+    if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
+        kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS
+        triton_linear.FOLD_MAX_ROWS = triton_linear.MAX_ROWS if variant == "folded" else 0
+    if variant in ("fused", "unfolded", "folded"):
         return
     if variant not in ("cublas", "reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")

@@ -235,10 +235,11 @@ def layer_chains(out: dict, jobs: int, log) -> None:
                 tlin.linear(tf.silu_and_mul(tlin.linear(normed, L["gate_up"], None)), L["down"], None)
 
             def skinny_fused(L):
-                _, summed = tlin.norm_linear(h, res, nw1, eps, L["qkv"], None)
-                o = tlin.linear(attn, L["o"], None)
-                gu, summed = tlin.norm_linear(o, summed, nw2, eps, L["gate_up"], None)
-                tlin.silu_mul_linear(gu, L["down"], None)
+                mm = tlin.skinny_matmul
+                _, summed = mm(h, L["qkv"], None, tlin.ADD_NORM, res, nw1, eps)
+                o = mm(attn, L["o"], None)[0]
+                gu, summed = mm(o, L["gate_up"], None, tlin.ADD_NORM, summed, nw2, eps)
+                mm(gu, L["down"], None, tlin.SILU_MUL)
 
             row = {"model": model, "rows": rows, "layer_MB": layer_bytes / 1e6}
             for name, fn in (("plain_us", plain), ("skinny_apart_us", skinny_apart), ("skinny_fused_us", skinny_fused)):

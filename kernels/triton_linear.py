@@ -8,8 +8,9 @@ last program of a column tile to finish sums the partials in a fixed order (dete
 launch; a per-tile counter, reset by that program, tells who is last).
 
 The x tile can be computed in the prologue instead of read: the RMSNorm of x (after the residual
-add, whose sum one program writes out) or SiLU(gate) * up. That folds the elementwise kernels
-before the QKV, gate/up and down projections into the products.
+add, whose sum the first column tile writes out, each element once) or SiLU(gate) * up. That
+folds the elementwise kernels before the QKV, gate/up and down projections into the products
+(FOLD_MAX_ROWS says when the engine does).
 
 Nothing syncs with the host and every shape comes from tensor sizes, so decode CUDA graphs capture
 these kernels. Same signatures and semantics as `kernels.reference`; more than MAX_ROWS rows go to
@@ -25,9 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from zipage.kernels import SKINNY_MAX_ROWS as MAX_ROWS  # above this, cuBLAS's tiles fill up
 from zipage.kernels import triton_fused
 from zipage.kernels.triton_attention import dot_precision, next_pow2, num_sms
+
+MAX_ROWS = 16  # x rows a skinny product takes; above this, cuBLAS's tiles fill up
 
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues: how the x tile is made
 
@@ -58,8 +60,11 @@ TABLE: dict[tuple[int, int], tuple[Config, Config]] = {
 
 
 # Products of at most this many rows fold their norm or SiLU into the prologue; larger ones run
-# the elementwise kernel first (benchmarks/gpu_skinny.py times both per layer).
-FOLD_MAX_ROWS = MAX_ROWS
+# the elementwise kernel first. 0: a first version of the folded prologues (a pass over x ahead
+# of the product for the sum of squares) made layers slower on the H200 than separate kernels,
+# 1.2-3x (docs/benchmarks.md); this version, without that pass, is not yet timed there
+# (benchmarks/gpu_skinny.py times both per layer, gpu_decode.py --variants folded end to end).
+FOLD_MAX_ROWS = 0
 
 
 def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
@@ -100,9 +105,10 @@ def _x_side(x_rows, r_rows, nw_ptr, ks, k_ok, K, PROLOGUE: tl.constexpr):
 @triton.jit
 def _accumulate(acc, x, w, DOT: tl.constexpr, PREC: tl.constexpr):
     if DOT:
-        return acc + tl.dot(x, tl.trans(w), input_precision=PREC)
-    # broadcast-multiply-and-sum: [rows, BLOCK_N, BLOCK_K], summed over K after the loop
-    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    else:  # broadcast-multiply-and-sum: [rows, BLOCK_N, BLOCK_K], summed over K after the loop
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for 1-16 rows

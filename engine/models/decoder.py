@@ -215,9 +215,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def _forward_skinny(self, hidden, residual, cos_sin, batch):
-        """The same layer in five launches besides attention's (eight to ten on the plain path):
-        each norm (and residual add) runs in the prologue of the projection after it, and
-        SiLU-and-multiply in the down projection's."""
+        """The same layer with skinny products. Where kernels.triton_linear folds the prologues,
+        each norm (and residual add) runs in the prologue of the projection after it and
+        SiLU-and-multiply in the down projection's: five launches besides attention's (eight to
+        ten on the plain path)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = kernels.norm_linear(hidden, residual, norm1.weight, norm1.eps,
@@ -231,9 +232,9 @@ class DecoderLayer(nn.Module):
 def skinny_decode(hidden: torch.Tensor, batch: ForwardBatch, tp: TensorParallel) -> bool:
     """Whether this forward takes the small-batch decode path: a decode step of at most
     kernels.SKINNY_MAX_ROWS tokens on CUDA, on one rank, with the Triton skinny products registered.
-    There a step streams the weights once and its products run near copy bandwidth as skinny
-    Triton kernels, which also absorb the norms and SiLU-and-multiply. Prefill, the CPU and
-    tensor parallelism keep the plain chains (cuBLAS or oneDNN products)."""
+    There a step streams the weights once, and its products run as skinny Triton kernels (which
+    can also absorb the norms and SiLU-and-multiply). Prefill, the CPU and tensor parallelism
+    keep the plain chains (cuBLAS or oneDNN products)."""
     return (not batch.is_prefill and hidden.is_cuda and not tp.enabled
             and hidden.shape[0] <= kernels.SKINNY_MAX_ROWS and kernels.skinny_registered())
 
