@@ -8,7 +8,9 @@ Sections (each in its own try/except: a failure is recorded and the script goes 
      (relative-norm error ||out - ref|| / ||ref|| < 1e-2 for bf16; exact for the copies and the keep set),
      plus fp32 checks of the attention kernels (IEEE dot path), the full compression pipeline of
      engine.compressor (Triton vs reference keep sets), a CUDA-graph capture of decode attention
-     and the fused layer chains (add + RMSNorm, q/k norm + RoPE + stores, SiLU-and-multiply);
+     and the fused layer chains (add + RMSNorm, q/k norm + RoPE + stores, SiLU-and-multiply), the
+     skinny decode products with their fused prologues at the 0.6B and 8B projection shapes (and a
+     CUDA graph of split-K products);
   2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
      against transformers on tiny random Llama/Qwen2/Qwen3 models;
   3. timings (triton.testing.do_bench, median): paged decode attention at batch 256 x 2048 tokens
@@ -533,6 +535,76 @@ def check_fused(report: Report, s: Sizes, gen):
             report.check(f"{tag} (query rows)", rel_err(qcache, qc), tol)
 
 
+# (N, K) of the Qwen3-0.6B and -8B projections: QKV, O, gate/up, down.
+SKINNY_SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+                 (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+SKINNY_SMOKE_SHAPES = ((96, 64), (40, 200))
+
+
+def check_skinny(report: Report, s: Sizes, gen):
+    """The skinny decode products (1, 3 and 16 rows) and their fused prologues against the
+    reference compositions in fp32: every shape with its table config in the serving dtype; the
+    first two also with a forced split-K and the broadcast-and-sum inner product, with a bias, in
+    the serving dtype and fp32. Then a CUDA graph of split-K products replayed on new inputs
+    equals eager, bit for bit (the arrival counters reset themselves)."""
+    from zipage.kernels import triton_linear as tlin
+
+    dev = s.device
+    shapes = SKINNY_SHAPES if torch.device(dev).type == "cuda" else SKINNY_SMOKE_SHAPES
+    forced = (tlin.Config(32, 256, split_k=4), tlin.Config(16, 512, dot=False))
+    for index, (n, k) in enumerate(shapes):
+        cases = [(s.dtype, BF16_TOL, None)]
+        if index < 2:
+            cases += [(dt, tol, cfg) for dt, tol in ((s.dtype, BF16_TOL), (torch.float32, FP32_TOL)) for cfg in forced]
+        for dt, tol, cfg in cases:
+            label = str(dt).replace("torch.", "")
+            w = (randn((n, k), gen, dev) / k ** 0.5).to(dt)
+            b = randn((n,), gen, dev, dt) if cfg is not None else None
+            nw = (randn((k,), gen, dev) * 0.1 + 1).to(dt)
+            for rows in (1, 3, 16):
+                if cfg is not None and not cfg.dot and rows > 1:
+                    continue
+                x, res = randn((rows, k), gen, dev, dt), randn((rows, k), gen, dev, dt)
+                gu = randn((rows, 2 * k), gen, dev, dt) * 3
+                tag = f"skinny {n}x{k} M{rows} {label} {'table' if cfg is None else ('split4' if cfg.dot else 'sum')}"
+                out = tlin.skinny_matmul(x, w, b, config=cfg)[0]
+                err = rel_err(out, ref.linear(x.float(), w.float(), b.float() if b is not None else None))
+                normed, summed = tlin.skinny_matmul(x, w, None, tlin.ADD_NORM, res, nw, 1e-6, config=cfg)
+                exp_n, exp_s = ref.norm_linear(x.float(), res.float(), nw.float(), 1e-6, w.float(), None)
+                err = max(err, rel_err(normed, exp_n), rel_err(summed, exp_s))
+                plain_norm = tlin.skinny_matmul(x, w, None, tlin.NORM, None, nw, 1e-6, config=cfg)[0]
+                err = max(err, rel_err(plain_norm, ref.norm_linear(x.float(), None, nw.float(), 1e-6, w.float(), None)[0]))
+                silu = tlin.skinny_matmul(gu, w, None, tlin.SILU_MUL, config=cfg)[0]
+                err = max(err, rel_err(silu, ref.silu_mul_linear(gu.float(), w.float(), None)))
+                report.check(tag, err, tol, "max of linear, add+norm (out, sum), norm, silu")
+    if torch.device(dev).type != "cuda":
+        return
+    n, k = shapes[3]  # a split-K shape
+    w, nw = (randn((n, k), gen, dev) / k ** 0.5).to(s.dtype), (randn((k,), gen, dev) * 0.1 + 1).to(s.dtype)
+    w2 = (randn((k, n), gen, dev) / n ** 0.5).to(s.dtype)
+    x, res = randn((16, k), gen, dev, s.dtype), randn((16, k), gen, dev, s.dtype)
+    cfg = forced[0]
+
+    def call():
+        y, summed = tlin.skinny_matmul(x, w, None, tlin.ADD_NORM, res, nw, 1e-6, config=cfg)
+        return tlin.skinny_matmul(torch.cat((y, y), 1), w2, None, tlin.SILU_MUL, config=cfg)[0], summed
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = call()
+    worst = 0.0
+    for _ in range(3):
+        x.copy_(randn((16, k), gen, dev, s.dtype))
+        res.copy_(randn((16, k), gen, dev, s.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = call()
+        worst = max(worst, *((a.float() - e.float()).abs().max().item() for a, e in zip(static, eager)))
+    report.check("skinny split-K in CUDA graph (replay == eager)", worst, 0, exact=True)
+
+
 def check_cuda_graph(report: Report, s: Sizes, gen):
     """Decode attention captured in a CUDA graph, replayed on new inputs, equals eager."""
     from zipage.kernels import triton_attention
@@ -835,10 +907,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,parity,compression_engine,overlap,timing")
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
+    parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
+                        "checked in place of the committed table")
     args = parser.parse_args(argv)
+    if args.skinny_table:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_skinny import load_table
+
+        load_table(args.skinny_table)
     s = SMOKE if args.smoke else FULL
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     out_dir = Path(args.out)
@@ -863,6 +942,7 @@ def main(argv=None) -> int:
         ("pipeline", "compression pipeline", check_compression_pipeline),
         ("graph", "CUDA graph", check_cuda_graph),
         ("fused", "fused layer chains", check_fused),
+        ("skinny", "skinny decode products", check_skinny),
     ]
     seed = iter(range(1, 1000))
     plan = [(key, title, (lambda fn=fn: fn(report, s, torch.Generator().manual_seed(next(seed)))))

@@ -14,9 +14,12 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
 --overlap on|off forces overlapped decode steps on or off (default: the engine's choice, on for CUDA).
---variants picks the layer chains: fused (the Triton kernels the engine registers), reference
-(the PyTorch reference chains, several kernels each) or compile (the reference chains through
-torch.compile); K/V stores go through Triton in all three.
+--variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
+unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
+kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
+products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
+chains through torch.compile); K/V stores go through Triton in all of them. --skinny-table loads
+the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of the committed table.
 """
 
 from __future__ import annotations
@@ -31,18 +34,29 @@ import time
 import torch
 
 FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
+COMMITTED: dict = {}  # the skinny-path settings as committed, read on first use
 
 
 def use_variant(variant: str) -> None:
     """Route the layer chains through one implementation (see the module docstring)."""
     from zipage import kernels
-    from zipage.kernels import reference, triton_cache, triton_ops
+    from zipage.kernels import reference, triton_cache, triton_linear, triton_ops
 
+    if not COMMITTED:
+        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS)
     triton_ops.register()
-    if variant == "fused":
+    kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
+    if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
+        kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS
+        triton_linear.FOLD_MAX_ROWS = triton_linear.MAX_ROWS if variant == "folded" else 0
+    if variant in ("fused", "unfolded", "folded"):
         return
-    if variant not in ("reference", "compile"):
+    if variant not in ("cublas", "reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")
+    for name in kernels.SKINNY_NAMES:  # products through cuBLAS, chains as their own kernels
+        kernels.TRITON_IMPLS.pop(name, None)
+    if variant == "cublas":
+        return
     compile_ = torch.compile if variant == "compile" else (lambda fn, **_: fn)
 
     def norm_rope(qkv, cos, sin, q_norm, k_norm, eps, kv_heads: int, head_dim: int):
@@ -255,7 +269,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
+    parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run")
     args = parser.parse_args(argv)
+    if args.skinny_table:
+        from gpu_skinny import load_table
+
+        print(f"skinny table: {len(load_table(args.skinny_table))} shapes from {args.skinny_table}", flush=True)
 
     from zipage.engine.config import EngineConfig
     from zipage.engine.core import EngineCore

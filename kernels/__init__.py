@@ -9,6 +9,13 @@ import torch
 
 from zipage.kernels import reference
 
+# Decode steps of at most this many rows take the skinny-product path on CUDA
+# (engine.models.decoder.skinny_decode; the kernels take up to 16). On the H200, one row through
+# a Qwen3-0.6B layer's four products and its norm and SiLU kernels took 24.1 us with skinny
+# products against 33.5 us with cuBLAS (an 8B layer: 113.3 against 113.5); with 4 and 16 rows
+# the two were within about 10% either way, so more rows stay with cuBLAS (docs/benchmarks.md).
+SKINNY_MAX_ROWS = 1
+
 # name -> Triton implementation with the reference's signature; filled in by kernels.triton_ops on CUDA.
 TRITON_IMPLS: dict[str, object] = {}
 
@@ -42,4 +49,14 @@ rms_norm = _dispatch("rms_norm")
 add_rms_norm = _dispatch("add_rms_norm")
 silu_and_mul = _dispatch("silu_and_mul")
 qk_norm_rope_store = _dispatch("qk_norm_rope_store")
+linear = _dispatch("linear")
+norm_linear = _dispatch("norm_linear")
+silu_mul_linear = _dispatch("silu_mul_linear")
 gather_kv = reference.gather_kv
+
+SKINNY_NAMES = ("linear", "norm_linear", "silu_mul_linear")
+
+
+def skinny_registered() -> bool:
+    """The skinny products (and their fused prologues) have Triton implementations registered."""
+    return all(name in TRITON_IMPLS for name in SKINNY_NAMES)

@@ -268,3 +268,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Projections of a decode step. On CUDA, at most 16 rows run as skinny products with the chain
+# before them folded in (kernels.triton_linear); here they are the plain compositions.
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, weight an nn.Linear weight [out, in]."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual): a sublayer's input projection and the
+    residual stream; without a residual, (linear(rms_norm(x)), x)."""
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(silu_and_mul(x)): the MLP's down projection of its gate/up output [tokens, 2 * n]."""
+    return linear(silu_and_mul(x), weight, bias)

@@ -2,7 +2,8 @@
 
 Importing this module never fails: without Triton, or without CUDA, it registers nothing and the
 engine keeps the PyTorch reference path. The kernels themselves live in triton_attention,
-triton_cache, triton_scores and triton_fused; under TRITON_INTERPRET=1 tests call them directly on CPU tensors.
+triton_cache, triton_scores, triton_fused and
+triton_linear; under TRITON_INTERPRET=1 tests call them directly on CPU tensors.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from zipage import kernels
 
 NAMES = ("store_kv", "store_queries", "paged_decode_attention", "prefill_attention",
          "window_attention_score", "pool_scores", "global_score_merge", "redundancy_score",
-         "keep_indices", "compact_kv", "rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
+         "keep_indices", "compact_kv", "rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store",
+         "linear", "norm_linear", "silu_mul_linear")
 
 IMPLS: dict[str, object] = {}  # name -> Triton function (empty when Triton cannot be imported)
 IMPORT_ERROR: BaseException | None = None
 
 try:
-    from zipage.kernels import triton_attention, triton_cache, triton_fused, triton_scores
+    from zipage.kernels import triton_attention, triton_cache, triton_fused, triton_linear, triton_scores
 
-    for _module in (triton_attention, triton_cache, triton_scores, triton_fused):
+    for _module in (triton_attention, triton_cache, triton_scores, triton_fused, triton_linear):
         for _name in NAMES:
             if hasattr(_module, _name):
                 IMPLS[_name] = getattr(_module, _name)

@@ -382,3 +382,153 @@ def test_qk_norm_rope_store(norm, group, head_dim, block_size, query_store):
     close(caches, expected[0])
     if query_store:
         close(qcache, expected[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Skinny products of decode (x of 1-16 rows), with their fused prologues
+
+from zipage.kernels import triton_linear as tlin  # noqa: E402
+
+# Column tiles that overhang N, K tails, splits whose last share is short, both inner products.
+SKINNY_CONFIGS = [tlin.Config(16, 32), tlin.Config(32, 64, split_k=3), tlin.Config(16, 32, split_k=2, dot=False),
+                  tlin.Config(16, 64, dot=False)]
+SKINNY_SHAPES = [(40, 72), (130, 200), (64, 128)]  # (N, K); the last divides every tile
+SKINNY_ROWS = [1, 3, 16]
+
+
+def skinny_inputs(rows, n, k, seed, x_cols=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, x_cols or k, generator=gen)
+    return x, torch.randn(n, k, generator=gen) / k ** 0.5, torch.randn(n, generator=gen), gen
+
+
+def skinny_id(cfg):
+    return f"n{cfg.block_n}k{cfg.block_k}s{cfg.split_k}{'dot' if cfg.dot else 'sum'}"
+
+
+@pytest.mark.parametrize("cfg", SKINNY_CONFIGS, ids=skinny_id)
+@pytest.mark.parametrize("n,k", SKINNY_SHAPES)
+@pytest.mark.parametrize("rows", SKINNY_ROWS)
+def test_skinny_linear(rows, n, k, cfg):
+    x, w, b, _ = skinny_inputs(rows, n, k, rows * 7 + n)
+    out, summed = tlin.skinny_matmul(x, w, b, config=cfg)
+    assert summed is None
+    close(out, ref.linear(x, w, b))
+    close(tlin.skinny_matmul(x, w, None, config=cfg)[0], ref.linear(x, w, None))
+
+
+@pytest.mark.parametrize("cfg", SKINNY_CONFIGS, ids=skinny_id)
+@pytest.mark.parametrize("n,k", SKINNY_SHAPES)
+@pytest.mark.parametrize("rows", SKINNY_ROWS)
+def test_norm_linear(rows, n, k, cfg):
+    x, w, b, gen = skinny_inputs(rows, n, k, rows * 11 + k)
+    residual = torch.randn(rows, k, generator=gen)
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    out, summed = tlin.skinny_matmul(x, w, b, tlin.ADD_NORM, residual, norm_w, 1e-6, config=cfg)
+    expected, expected_sum = ref.norm_linear(x, residual, norm_w, 1e-6, w, b)
+    assert torch.equal(summed, expected_sum)
+    assert summed.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    close(out, expected)
+    out, _ = tlin.skinny_matmul(x, w, None, tlin.NORM, None, norm_w, 1e-5, config=cfg)
+    close(out, ref.norm_linear(x, None, norm_w, 1e-5, w, None)[0])
+
+
+@pytest.mark.parametrize("cfg", SKINNY_CONFIGS, ids=skinny_id)
+@pytest.mark.parametrize("n,k", SKINNY_SHAPES)
+@pytest.mark.parametrize("rows", SKINNY_ROWS)
+def test_silu_mul_linear(rows, n, k, cfg):
+    x, w, _, _ = skinny_inputs(rows, n, k, rows * 13 + n + k, x_cols=2 * k)
+    close(tlin.skinny_matmul(x * 3, w, None, tlin.SILU_MUL, config=cfg)[0], ref.silu_mul_linear(x * 3, w, None))
+
+
+def test_skinny_split_k_is_repeatable():
+    """The split-K counters are back at zero after every product: a second call (a graph replay)
+    sums the same partials in the same order, bit for bit."""
+    x, w, b, _ = skinny_inputs(5, 130, 200, 3)
+    cfg = tlin.Config(16, 32, split_k=4)
+    first = tlin.skinny_matmul(x, w, b, config=cfg)[0]
+    assert torch.equal(tlin.skinny_matmul(x, w, b, config=cfg)[0], first)
+    assert not tlin._counters[x.device].any()
+
+
+@pytest.mark.parametrize("fold", [tlin.MAX_ROWS, 0])
+def test_skinny_public_signatures(fold, monkeypatch):
+    """The dispatch-facing functions: default configs, leading dims, bias, more rows than a skinny
+    product takes (the cuBLAS/fused-kernel chain), and with the norm and SiLU as their own kernels
+    before the skinny product (fold 0)."""
+    monkeypatch.setattr(tlin, "FOLD_MAX_ROWS", fold)
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    norm_w = torch.rand(80, generator=gen) + 0.5
+    for rows in (1, 7, tlin.MAX_ROWS + 5):
+        x = torch.randn(rows, 80, generator=gen)
+        res = torch.randn(rows, 80, generator=gen)
+        close(tlin.linear(x, w, b), ref.linear(x, w, b))
+        out, summed = tlin.norm_linear(x, res, norm_w, 1e-6, w, b)
+        expected, expected_sum = ref.norm_linear(x, res, norm_w, 1e-6, w, b)
+        close(out, expected)
+        close(summed, expected_sum)
+        out, same = tlin.norm_linear(x, None, norm_w, 1e-6, w, None)
+        assert same is x
+        close(out, ref.norm_linear(x, None, norm_w, 1e-6, w, None)[0])
+        gu = torch.randn(rows, 160, generator=gen)
+        close(tlin.silu_mul_linear(gu, w, b), ref.silu_mul_linear(gu, w, b))
+    x3 = torch.randn(2, 3, 80, generator=gen)
+    close(tlin.linear(x3, w, b), ref.linear(x3, w, b))
+    strided = torch.randn(4, 100, generator=gen)[:, 10:90]  # rows not contiguous with each other
+    close(tlin.linear(strided, w, None), ref.linear(strided, w, None))
+
+
+def test_skinny_bf16():
+    """bf16 in, fp32 accumulation, one rounding on the store. Broadcast-and-sum only, and no
+    residual add: the interpreter mangles bf16 dots and bf16 adds (those run on the GPU,
+    benchmarks/gpu_check.py)."""
+    x, w, b, gen = skinny_inputs(3, 130, 200, 5)
+    up = torch.randn(3, 200, generator=gen)
+    norm_w = torch.rand(200, generator=gen) + 0.5
+    xb, wb, bb, ub, nb = (t.bfloat16() for t in (x, w, b, up, norm_w))
+    for cfg in (tlin.Config(32, 64, split_k=3, dot=False), tlin.Config(16, 64, dot=False)):
+        out = tlin.skinny_matmul(xb, wb, bb, config=cfg)[0]
+        assert out.dtype == torch.bfloat16
+        close(out.float(), ref.linear(xb.float(), wb.float(), bb.float()), rtol=2e-2, atol=2e-2)
+        out = tlin.skinny_matmul(xb, wb, None, tlin.NORM, None, nb, 1e-6, config=cfg)[0]
+        close(out.float(), ref.norm_linear(xb, None, nb, 1e-6, wb, None)[0].float(), rtol=2e-2, atol=2e-2)
+        out = tlin.skinny_matmul(torch.cat((xb, ub), dim=1), wb, None, tlin.SILU_MUL, config=cfg)[0]
+        expected = ref.silu_mul_linear(torch.cat((xb, ub), dim=1), wb, None)
+        close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])
+def test_decoder_skinny_path(family, monkeypatch):
+    """A decode forward through the layers' skinny path (norms and SiLU folded into the products)
+    equals the plain path: with the reference compositions, and with the Triton kernels."""
+    from zipage.engine.model_registry import RANDOM_PRESETS
+    from zipage.engine.models import ForwardBatch
+    from zipage.engine.models.decoder import CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(RANDOM_PRESETS[family].make_config())
+    model.init_random(seed=1)
+    gen = torch.Generator().manual_seed(6)
+    attn = model.attention_layers[0]
+    lens = [5, 17, 9]
+    for layer in model.attention_layers:
+        layer.k_cache, layer.v_cache, tables = paged_cache(lens, 16, attn.num_kv_heads, attn.head_dim, gen)
+    batch = ForwardBatch(is_prefill=False, slot_mapping=torch.tensor([4, 40, 60]), block_tables=tables,
+                         context_lens=torch.tensor(lens, dtype=torch.int32))
+    ids, positions = torch.tensor([3, 7, 11]), torch.tensor([4, 16, 8])
+
+    def forward(skinny):
+        hidden, residual = model._embed(ids), None
+        cos_sin = model.rope.cos_sin(positions)
+        for layer in model.model.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, batch, skinny)
+        return hidden, residual
+
+    plain = forward(False)
+    for got, want in zip(forward(True), plain):
+        assert torch.equal(got, want)
+    for name in kernels.SKINNY_NAMES:  # what the dispatch seam does on CUDA
+        monkeypatch.setattr(kernels, name, getattr(tlin, name))
+    for got, want in zip(forward(True), plain):
+        close(got, want, rtol=1e-4, atol=1e-4)

@@ -158,10 +158,15 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
-        tokens = hidden.shape[0]
+        return self.tp.all_reduce(self.o_proj(self.attend(self.qkv_proj(hidden), cos_sin, batch)))
+
+    def attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               batch: ForwardBatch) -> torch.Tensor:
+        """Everything between the QKV and O projections: [tokens, q_size] from qkv [tokens, qkv width]."""
+        tokens = qkv.shape[0]
         store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
         q = kernels.qk_norm_rope_store(
-            self.qkv_proj(hidden), *cos_sin,
+            qkv, *cos_sin,
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
             batch.query_cache[self.layer_index] if store_queries else None,
@@ -172,7 +177,7 @@ class Attention(nn.Module):
         else:
             out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                                  batch.context_lens, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
+        return out.reshape(tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -195,9 +200,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, residual, cos_sin, batch):
+    def forward(self, hidden, residual, cos_sin, batch, skinny: bool = False):
         """The residual stream travels beside the sublayer outputs, so each residual add fuses
-        with the norm after it: returns (this layer's MLP output, the stream before adding it)."""
+        with the norm after it: returns (this layer's MLP output, the stream before adding it).
+        skinny: the small-batch decode path (see `skinny_decode`)."""
+        if skinny:
+            return self._forward_skinny(hidden, residual, cos_sin, batch)
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
@@ -205,6 +213,30 @@ class DecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add(
             self.self_attn(normed, cos_sin, batch), residual)
         return self.mlp(normed), residual
+
+    def _forward_skinny(self, hidden, residual, cos_sin, batch):
+        """The same layer with skinny products. Where kernels.triton_linear folds the prologues,
+        each norm (and residual add) runs in the prologue of the projection after it and
+        SiLU-and-multiply in the down projection's: five launches besides attention's (eight to
+        ten on the plain path)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = kernels.norm_linear(hidden, residual, norm1.weight, norm1.eps,
+                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = kernels.linear(attn.attend(qkv, cos_sin, batch), attn.o_proj.weight, attn.o_proj.bias)
+        gate_up, residual = kernels.norm_linear(out, residual, norm2.weight, norm2.eps,
+                                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
+
+def skinny_decode(hidden: torch.Tensor, batch: ForwardBatch, tp: TensorParallel) -> bool:
+    """Whether this forward takes the small-batch decode path: a decode step of at most
+    kernels.SKINNY_MAX_ROWS tokens on CUDA, on one rank, with the Triton skinny products registered.
+    There a step streams the weights once, and its products run as skinny Triton kernels (which
+    can also absorb the norms and SiLU-and-multiply). Prefill, the CPU and tensor parallelism
+    keep the plain chains (cuBLAS or oneDNN products)."""
+    return (not batch.is_prefill and hidden.is_cuda and not tp.enabled
+            and hidden.shape[0] <= kernels.SKINNY_MAX_ROWS and kernels.skinny_registered())
 
 
 class DecoderBody(nn.Module):
@@ -239,8 +271,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self._embed(input_ids), None
         cos_sin = self.rope.cos_sin(positions)
+        skinny = skinny_decode(hidden, batch, self.tp)
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, batch)
+            hidden, residual = layer(hidden, residual, cos_sin, batch, skinny)
         return self.model.norm.add(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
