@@ -10,10 +10,10 @@ import torch
 from zipage.kernels import reference
 
 # Decode steps of at most this many rows take the skinny-product path on CUDA
-# (engine.models.decoder.skinny_decode; the kernels take up to 16). On the H200, one row through
-# a Qwen3-0.6B layer's four products and its norm and SiLU kernels took 24.1 us with skinny
-# products against 33.5 us with cuBLAS (an 8B layer: 113.3 against 113.5); with 4 and 16 rows
-# the two were within about 10% either way, so more rows stay with cuBLAS (docs/benchmarks.md).
+# (engine.models.decoder.skinny_decode; the kernels take up to 16). On the H200 one row through
+# folded skinny products ran a Qwen3-0.6B step at 863 tok/s against 676 through cuBLAS, and 8B
+# at 201 against 199; with 4 and 16 rows 8B ran at 0.65x of cuBLAS (docs/benchmarks.md), so more
+# rows stay with cuBLAS.
 SKINNY_MAX_ROWS = 1
 
 # name -> Triton implementation with the reference's signature; filled in by kernels.triton_ops on CUDA.

@@ -60,11 +60,11 @@ TABLE: dict[tuple[int, int], tuple[Config, Config]] = {
 
 
 # Products of at most this many rows fold their norm or SiLU into the prologue; larger ones run
-# the elementwise kernel first. 0: a first version of the folded prologues (a pass over x ahead
-# of the product for the sum of squares) made layers slower on the H200 than separate kernels,
-# 1.2-3x (docs/benchmarks.md); this version, without that pass, is not yet timed there
-# (benchmarks/gpu_skinny.py times both per layer, gpu_decode.py --variants folded end to end).
-FOLD_MAX_ROWS = 0
+# the elementwise kernel first. Measured end to end on the H200 (docs/benchmarks.md): one decode
+# row through folded products ran a Qwen3-0.6B step 1.28x faster than cuBLAS (863 against 676
+# tok/s) and a Qwen3-8B step no slower (201 against 199); with 4 and 16 rows the 8B shape ran at
+# 0.65x, so only single rows fold (and take the skinny path at all: kernels.SKINNY_MAX_ROWS).
+FOLD_MAX_ROWS = 1
 
 
 def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
