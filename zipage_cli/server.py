@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import hmac
 import json
+import signal
+import threading
 import time
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -285,4 +287,16 @@ def serve(engine: EngineProcess, host: str = "127.0.0.1", port: int = 8000, api_
 
     config = uvicorn.Config(create_app(EngineClient(engine), api_key), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3)
-    uvicorn.Server(config).run()
+    # uvicorn raises SIGTERM again once it has shut down; raised as SystemExit instead of killing this
+    # process outright, it leaves the caller the time to stop the engine process.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main_thread else None
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
