@@ -4,12 +4,13 @@ A child process runs EngineCore's loop; the parent keeps the tokenizer. The pare
 into token ids and streamed token ids back into text, so the child spends its time stepping the
 engine and never competes with the parent's work (HTTP, JSON) for one interpreter lock.
 
-They talk over one multiprocessing connection. The parent sends:
+They talk over two pipes. The parent sends, over a multiprocessing connection:
     ("submit", key, prompt ids, SamplingParams, session)   a new request
     ("abort", request id)                                   stop it and free its blocks
     ("snapshot", key)                                       an EngineSnapshot, taken after the next step
     ("close",)                                              abort everything and exit
-The child answers with at most one `Turn` per loop turn (one engine step): what became of the
+The child answers, in frames the parent reads without blocking (frames.py), with at most one
+`Turn` per loop turn (one engine step): what became of the
 submits it took, the new token ids of every running request, the requests that ended, the
 engine's new events and the snapshots asked for. The child detokenizes only requests with stop
 strings (the engine must match them); for the others it submits with `stream=False`, reads their
@@ -18,7 +19,9 @@ new ids off the engine's sequences, and leaves the text to the parent (`RequestS
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
+import select
 import signal
 import threading
 import traceback
@@ -29,9 +32,11 @@ from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.events import EngineSnapshot, Event
+from zipage.engine.frames import FrameReader, write_frame
 from zipage.engine.loader import ModelSource, resolve_model
 
 STOP_TIMEOUT_S = 30.0  # how long a closing child may take to free the pool before it is killed
+PIPE_BYTES = 1 << 20  # room for many turns, so a parent busy for a moment never holds the engine up
 
 
 class EngineGone(RuntimeError):
@@ -57,20 +62,22 @@ class Turn:
 
 
 # -- the child ------------------------------------------------------------------------------------
-def run_engine_process(conn, config: EngineConfig) -> None:
-    """The child's entry point: build the engine, say ready (or why not), then serve the parent."""
+def run_engine_process(inbox, outbox, config: EngineConfig) -> None:
+    """The child's entry point: build the engine, say ready (or why not), then serve the parent.
+    `inbox` is the connection the parent sends on; turns go out as frames on `outbox`'s pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the parent decides
+    out = outbox.fileno()
     try:
         engine = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         if not isinstance(e, ValueError):  # a bad knob or model is said in one line; anything else in full
             traceback.print_exc()
-        conn.send(("failed", ValueError(str(e)) if isinstance(e, ValueError)
-                   else EngineGone(f"the engine failed to start: {type(e).__name__}: {e}")))
+        write_frame(out, ("failed", ValueError(str(e)) if isinstance(e, ValueError)
+                          else EngineGone(f"the engine failed to start: {type(e).__name__}: {e}")))
         return
     try:
-        conn.send(("ready", {"max_model_len": engine.max_model_len, "snapshot": engine.snapshot()}))
-        EngineLoop(conn, engine).run()
+        write_frame(out, ("ready", {"max_model_len": engine.max_model_len, "snapshot": engine.snapshot()}))
+        EngineLoop(inbox, out, engine).run()
     finally:
         engine.close()
 
@@ -78,8 +85,8 @@ def run_engine_process(conn, config: EngineConfig) -> None:
 class EngineLoop:
     """The child's side: EngineCore stepped between the parent's messages."""
 
-    def __init__(self, conn, engine: EngineCore):
-        self.conn, self.engine = conn, engine
+    def __init__(self, inbox, out: int, engine: EngineCore):
+        self.inbox, self.out, self.engine = inbox, out, engine
         self.live: dict[int, list] = {}  # request id -> [Sequence, tokens already sent (prompt included)]
         self.events_seen = engine.event_count
         self.snapshot_keys: list[int] = []
@@ -95,7 +102,7 @@ class EngineLoop:
                 self.finish_turn(turn)
         except BaseException as e:  # noqa: BLE001 - the parent ends every request with the cause
             try:
-                self.conn.send(Turn(failure=f"{type(e).__name__}: {e}"))
+                write_frame(self.out, Turn(failure=f"{type(e).__name__}: {e}"))
             except OSError:
                 pass
             raise
@@ -103,11 +110,11 @@ class EngineLoop:
     def receive(self, turn: Turn, wait: bool) -> None:
         """Handle every waiting message; with `wait`, sleep until one comes (an idle engine)."""
         try:
-            if not self.conn.poll(None if wait else 0):
+            if not self.inbox.poll(None if wait else 0):
                 return
             while True:
-                self.handle(self.conn.recv(), turn)
-                if self.closing or not self.conn.poll(0):
+                self.handle(self.inbox.recv(), turn)
+                if self.closing or not self.inbox.poll(0):
                     return
         except (EOFError, OSError):  # the parent is gone: nobody is left to serve
             self.closing = True
@@ -156,7 +163,7 @@ class EngineLoop:
             turn.snapshot = (self.snapshot_keys, self.engine.snapshot())
             self.snapshot_keys = []
         if turn and not self.closing:
-            self.conn.send(turn)
+            write_frame(self.out, turn)
 
     def new_events(self) -> list[Event]:
         events, total = self.engine.events, self.engine.event_count
@@ -221,7 +228,7 @@ class RequestStream:
 
 class EngineProcess:
     """The parent's handle on the engine child: start it (blocking until the model is loaded), send
-    it messages, read its turns, stop it. Not thread-safe for reading: one reader at a time."""
+    it messages, read its turns, stop it. One reader at a time; sending is thread-safe."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -229,14 +236,20 @@ class EngineProcess:
         self.tokenizer = self.source.tokenizer
         self.encoder = PromptEncoder(self.source)
         context = multiprocessing.get_context("spawn")  # the parent must never touch CUDA before a fork
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=run_engine_process, args=(child_conn, config), name="zipage-engine")
+        child_inbox, self.outbox = context.Pipe(duplex=False)
+        self.inbox, child_outbox = context.Pipe(duplex=False)
+        _grow_pipe(self.inbox.fileno())
+        self.process = context.Process(target=run_engine_process, args=(child_inbox, child_outbox, config),
+                                       name="zipage-engine")
         self._send_lock = threading.Lock()
         self.exit_reason: str | None = None  # set once the child is gone
         self.process.start()
-        child_conn.close()  # the child's end lives in the child alone, so its death reads as end-of-file here
+        # The child's ends live in the child alone, so its death reads as end-of-file here.
+        child_inbox.close()
+        child_outbox.close()
+        self.reader = FrameReader(self.inbox.fileno())
         # At interpreter exit a child still running is stopped, whatever the caller forgot.
-        self._finalizer = weakref.finalize(self, _stop_child, self.process, self.conn, 5.0)
+        self._finalizer = weakref.finalize(self, _stop_child, self.process, self.outbox, self.inbox, 5.0)
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -246,15 +259,17 @@ class EngineProcess:
         self.first_snapshot: EngineSnapshot = ready["snapshot"]
 
     def _wait_ready(self) -> dict:
-        try:
-            kind, payload = self.conn.recv()
-        except EOFError:
-            self.process.join(5.0)
-            raise EngineGone(f"the engine process exited while loading (exit code {self.process.exitcode})") \
-                from None
-        if kind == "failed":
-            raise payload
-        return payload
+        while True:
+            select.select([self.reader.fd], [], [])  # Ctrl+C interrupts the wait
+            messages = self.reader.read()
+            if messages:
+                kind, payload = messages[0]
+                if kind == "failed":
+                    raise payload
+                return payload
+            if self.reader.eof:
+                self.process.join(5.0)
+                raise EngineGone(f"the engine process exited while loading (exit code {self.process.exitcode})")
 
     @property
     def pid(self) -> int | None:
@@ -265,7 +280,8 @@ class EngineProcess:
         return self.exit_reason is None and self.process.is_alive()
 
     def fileno(self) -> int:
-        return self.conn.fileno()
+        """What to watch for turns (readable: call `receive`)."""
+        return self.reader.fd
 
     def send(self, message: tuple) -> None:
         """EngineGone when the child can no longer be reached."""
@@ -273,25 +289,22 @@ class EngineProcess:
             raise EngineGone(self.exit_reason)
         try:
             with self._send_lock:
-                self.conn.send(message)
+                self.outbox.send(message)
         except (OSError, ValueError) as e:  # a broken pipe, or the connection closed here
             raise EngineGone(f"the engine process cannot be reached: {e}") from None
 
     def receive(self) -> list[Turn]:
-        """Every turn waiting now (none if none). When the child is gone, `exit_reason` is set after
-        the turns it sent before going."""
-        turns = []
+        """Every whole turn that has arrived (none if none); never blocks. Once the child is gone,
+        `exit_reason` says so, after the turns it sent before going."""
         if self.exit_reason is not None:
-            return turns
-        try:
-            while self.conn.poll():
-                turns.append(self.conn.recv())
-        except (EOFError, OSError):
-            self.process.join(1.0)
-            self.exit_reason = f"the engine process exited (exit code {self.process.exitcode})"
+            return []
+        turns = self.reader.read()
         for turn in turns:
             if turn.failure is not None:
                 self.exit_reason = f"the engine process failed: {turn.failure}"
+        if self.reader.eof and self.exit_reason is None:
+            self.process.join(1.0)
+            self.exit_reason = f"the engine process exited (exit code {self.process.exitcode})"
         return turns
 
     def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
@@ -299,13 +312,20 @@ class EngineProcess:
         if self.exit_reason is None:
             self.exit_reason = "the engine was closed"
         self._finalizer.detach()
-        _stop_child(self.process, self.conn, timeout)
+        _stop_child(self.process, self.outbox, self.inbox, timeout)
 
 
-def _stop_child(process, conn, timeout: float) -> None:
+def _grow_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError):  # not Linux, or above the system's limit: the default size still works
+        pass
+
+
+def _stop_child(process, outbox, inbox, timeout: float) -> None:
     if process.is_alive():
         try:
-            conn.send(("close",))
+            outbox.send(("close",))
         except (OSError, ValueError):
             pass
         process.join(timeout)
@@ -315,4 +335,5 @@ def _stop_child(process, conn, timeout: float) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    conn.close()
+    outbox.close()
+    inbox.close()
