@@ -14,7 +14,7 @@ The child answers, in frames the parent reads without blocking (frames.py), with
 submits it took, the new token ids of every running request, the requests that ended, the
 engine's new events and the snapshots asked for. The child detokenizes only requests with stop
 strings (the engine must match them); for the others it submits with `stream=False`, reads their
-new ids off the engine's sequences, and leaves the text to the parent (`RequestStream`).
+new ids off the engine's sequences, and leaves the text to the parent (request_stream.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 
-from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.config import EngineConfig
 from zipage.engine.core import EngineCore, RequestOutput
-from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.events import EngineSnapshot, Event
 from zipage.engine.frames import FrameReader, write_frame
 from zipage.engine.loader import ModelSource, resolve_model
@@ -191,39 +190,6 @@ class PromptEncoder:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return self.apply_chat_template(prompt)
         return self.encode_prompt(prompt)
-
-
-class RequestStream:
-    """One request's outputs rebuilt in the parent from the child's token ids: text deltas
-    (detokenized here unless the engine did it for its stop strings) and the final output."""
-
-    def __init__(self, request_id: int, session: str | None, tokenizer, params: SamplingParams):
-        self.id, self.session = request_id, session
-        self.detok = None if params.stop else IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.received = 0  # output ids so far
-        self.text = ""
-
-    def tokens(self, new_ids: list[int], delta: str | None) -> RequestOutput:
-        self.received += len(new_ids)
-        if self.detok is not None:
-            delta = self.detok.add(new_ids)
-        self.text += delta
-        return RequestOutput(self.id, self.session, [], [], self.text, delta, False, new_token_ids=new_ids,
-                             num_output_tokens=self.received)
-
-    def end(self, out: RequestOutput) -> RequestOutput:
-        """The engine's final output, its last delta (and text) completed here when detokenized here."""
-        rest = out.token_ids[self.received:]
-        self.received = len(out.token_ids)
-        if self.detok is not None:
-            out.delta = (self.detok.add(rest) if rest else "") + self.detok.finish()
-            out.text = self.detok.final_text  # the text the deltas add up to
-        out.new_token_ids = list(rest)
-        return out
-
-    def fail(self, error: str) -> RequestOutput:
-        return RequestOutput(self.id, self.session, [], [], self.text, "", True, "error", error,
-                             num_output_tokens=self.received)
 
 
 class EngineProcess:

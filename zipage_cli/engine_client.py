@@ -1,8 +1,9 @@
 """The server's side of the engine process (engine/process.py), on its asyncio event loop.
 
-The loop reads the child's turns itself, with a reader on the connection: one callback per engine
-step hands every request its new output, with no thread, lock or wake-up per token in between.
-Text is made here: each request's token ids are detokenized as they arrive (RequestStream).
+The loop reads the child's turns itself, with a reader on the pipe: one callback per engine step
+hands every request its new token ids, with no thread or lock in between. A request's reader takes
+what has gathered when it is ready for more, as one output: text is detokenized then, once for all
+the ids it finds, so a reader that lags sends fewer, larger chunks and catches up.
 """
 
 from __future__ import annotations
@@ -15,20 +16,37 @@ from dataclasses import dataclass
 from zipage.engine.config import SamplingParams
 from zipage.engine.core import RequestOutput
 from zipage.engine.events import EngineSnapshot
-from zipage.engine.process import EngineGone, EngineProcess, RequestStream, Turn
+from zipage.engine.process import EngineGone, EngineProcess, Turn
+from zipage.engine.request_stream import RequestStream
 from zipage.engine.service import SUBSCRIBER_QUEUE_SIZE, EventQueue, Subscribers
 
 SNAPSHOT_MAX_AGE_S = 0.25  # a snapshot younger than this is served again rather than asked for
 
 
+class Feed:
+    """One request's outputs for its reader on the event loop."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.arrived = asyncio.Event()
+
+    async def next(self) -> RequestOutput:
+        """Everything new since the last call, as one output (finished: the last one)."""
+        while True:
+            out = self.stream.take()
+            if out is not None:
+                return out
+            self.arrived.clear()
+            await self.arrived.wait()
+
+
 @dataclass
 class Submitted:
-    """A request the engine took: its id there, its prompt's length, and its outputs in order (the
-    last one finished)."""
+    """A request the engine took: its id there, its prompt's length, and its outputs."""
 
     id: int
     prompt_tokens: int
-    outputs: asyncio.Queue
+    feed: Feed
 
 
 class EngineClient:
@@ -42,8 +60,8 @@ class EngineClient:
         self.failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._keys = itertools.count()
-        self._submits: dict[int, tuple[asyncio.Future, asyncio.Queue, SamplingParams, str | None]] = {}
-        self._streams: dict[int, tuple[RequestStream, asyncio.Queue]] = {}
+        self._submits: dict[int, tuple[asyncio.Future, SamplingParams, str | None]] = {}
+        self._feeds: dict[int, Feed] = {}
         self._snapshot_waiters: dict[int, asyncio.Future] = {}
         self._snapshot = process.first_snapshot
         self._snapshot_time = 0.0
@@ -74,19 +92,17 @@ class EngineClient:
         self._check_alive()
         key = next(self._keys)
         accepted = self._loop.create_future()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._submits[key] = (accepted, outputs, params, session)
+        self._submits[key] = (accepted, params, session)
         try:
             self.process.send(("submit", key, ids, params, session))
         except EngineGone:
             del self._submits[key]
             raise
-        request_id, prompt_tokens = await accepted
-        return Submitted(request_id, prompt_tokens, outputs)
+        return await accepted
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its blocks; a no-op once it ended."""
-        if request_id in self._streams and self.failure is None:
+        if request_id in self._feeds and self.failure is None:
             try:
                 self.process.send(("abort", request_id))
             except EngineGone:
@@ -126,26 +142,28 @@ class EngineClient:
             self._fail(self.process.exit_reason)
 
     def _apply(self, turn: Turn) -> None:
+        feeds = self._feeds
         for key, request_id, prompt_tokens in turn.accepted:
-            accepted, outputs, params, session = self._submits.pop(key)
-            self._streams[request_id] = (RequestStream(request_id, session, self.process.tokenizer, params), outputs)
+            accepted, params, session = self._submits.pop(key)
+            feed = feeds[request_id] = Feed(RequestStream(request_id, session, self.process.tokenizer, params))
             if accepted.cancelled():  # its caller left while the engine took it
                 self.abort(request_id)
-            else:
-                accepted.set_result((request_id, prompt_tokens))
+            else:  # it may end before its caller runs again: the feed goes along
+                accepted.set_result(Submitted(request_id, prompt_tokens, feed))
         for key, why in turn.refused:
             accepted = self._submits.pop(key)[0]
             if not accepted.cancelled():
                 accepted.set_exception(ValueError(why))
-        streams = self._streams
         for request_id, ids, delta in turn.tokens:
-            entry = streams.get(request_id)
-            if entry is not None:
-                entry[1].put_nowait(entry[0].tokens(ids, delta))
+            feed = feeds.get(request_id)
+            if feed is not None:
+                feed.stream.add(ids, delta)
+                feed.arrived.set()
         for out in turn.ended:
-            entry = streams.pop(out.id, None)
-            if entry is not None:
-                entry[1].put_nowait(entry[0].end(out))
+            feed = feeds.pop(out.id, None)
+            if feed is not None:
+                feed.stream.end(out)
+                feed.arrived.set()
         if turn.events:
             self._subscribers.publish(turn.events)
         if turn.snapshot is not None:
@@ -166,9 +184,10 @@ class EngineClient:
                 self._loop.remove_reader(self.process.fileno())
             except (OSError, ValueError):  # the connection is already closed
                 pass
-        for stream, outputs in self._streams.values():
-            outputs.put_nowait(stream.fail(reason))
-        self._streams.clear()
+        for feed in self._feeds.values():
+            feed.stream.fail(reason)
+            feed.arrived.set()
+        self._feeds.clear()
         for accepted, *_ in self._submits.values():
             if not accepted.done():
                 accepted.set_exception(EngineGone(reason))

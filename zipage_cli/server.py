@@ -84,18 +84,16 @@ class Generation:
             raise api.ApiError(503, f"the engine is not running: {e}", kind="server_error") from None
         return self
 
-    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Every output that has arrived, in order, a list at a time (a slow reader gets them together)."""
-        outputs = self.request.outputs
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Its outputs until the finished one; each holds everything that arrived since the one before
+        (a slow reader gets fewer, larger ones)."""
+        feed = self.request.feed
         try:
             while not self.finished:
-                batch = [await outputs.get()]
-                while not batch[-1].finished and not outputs.empty():
-                    batch.append(outputs.get_nowait())
-                for out in batch:
-                    self.latency.observe(out)
-                self.finished = batch[-1].finished
-                yield batch
+                out = await feed.next()
+                self.latency.observe(out)
+                self.finished = out.finished
+                yield out
         finally:
             if not self.finished:  # the client left (or the server stops): free the request's blocks
                 self.engine.abort(self.request.id)
@@ -104,9 +102,9 @@ class Generation:
         """The final output, or None if the client disconnected first (the request is then aborted)."""
 
         async def last() -> RequestOutput:
-            async for batch in self.batches():
+            async for out in self.outputs():
                 pass
-            return batch[-1]
+            return out
 
         answer = asyncio.ensure_future(last())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -171,24 +169,18 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
     async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
-        sent_ids = 0
-        async for batch in generation.batches():
-            # What arrived together goes out as one chunk: a client (or an event loop) that lags gets
-            # fewer, larger chunks instead of falling further behind.
-            last = batch[-1]
-            failed = last.finish_reason == "error"
-            parts = batch[:-1] if failed else batch
-            finished = last.finished and not failed
-            text = "".join(out.delta for out in parts)
-            new_ids = list(last.token_ids[sent_ids:]) if finished else [t for out in parts for t in out.new_token_ids]
-            sent_ids += len(new_ids)
+        async for out in generation.outputs():
+            # One chunk for everything that arrived since the last: a client (or an event loop) that
+            # lags gets fewer, larger chunks instead of falling further behind.
+            failed = out.finish_reason == "error"
+            finished = out.finished and not failed
             events = []
-            if text or finished or (reply.token_ids and new_ids):
-                events.append(sse(reply.chunk(text, last.finish_reason if finished else None, new_ids)))
+            if out.delta or finished or (reply.token_ids and out.new_token_ids):
+                events.append(sse(reply.chunk(out.delta, out.finish_reason if finished else None, out.new_token_ids)))
             if failed:
-                events.append(sse(api.error_body(last.error or "the request failed", "server_error")))
+                events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
             elif finished and include_usage:
-                events.append(sse(reply.usage_chunk(last.num_output_tokens)))
+                events.append(sse(reply.usage_chunk(out.num_output_tokens)))
             if events:
                 yield "".join(events)
         yield sse("[DONE]")
