@@ -10,11 +10,11 @@ They talk over two pipes. The parent sends, over a multiprocessing connection:
     ("snapshot", key)                                       an EngineSnapshot, taken after the next step
     ("close",)                                              abort everything and exit
 The child answers, in frames the parent reads without blocking (frames.py), with at most one
-`Turn` per loop turn (one engine step): what became of the
-submits it took, the new token ids of every running request, the requests that ended, the
-engine's new events and the snapshots asked for. The child detokenizes only requests with stop
-strings (the engine must match them); for the others it submits with `stream=False`, reads their
-new ids off the engine's sequences, and leaves the text to the parent (request_stream.py).
+`Turn` per loop turn (one engine step): what became of the submits it took, the new token ids of
+every running request, the requests that ended, the engine's new events and the snapshots asked
+for. The child detokenizes only requests with stop strings (the engine must match them); for the
+others it submits with `stream=False`, reads their new ids off the engine's sequences, and leaves
+the text to the parent (request_stream.py).
 """
 
 from __future__ import annotations
@@ -162,7 +162,10 @@ class EngineLoop:
             turn.snapshot = (self.snapshot_keys, self.engine.snapshot())
             self.snapshot_keys = []
         if turn and not self.closing:
-            write_frame(self.out, turn)
+            try:
+                write_frame(self.out, turn)
+            except BrokenPipeError:  # the parent is gone
+                self.closing = True
 
     def new_events(self) -> list[Event]:
         events, total = self.engine.events, self.engine.event_count
