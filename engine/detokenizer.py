@@ -19,9 +19,15 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        # Only a short tail is re-decoded per token: ids[prefix:read] is text already taken.
+        # Only a short tail is re-decoded per token: window[prefix:read] is text already taken.
+        self.window: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        # Ids that decode to nothing (special tokens when skipped, ids past the tokenizer's vocabulary)
+        # stay out of the window: else, while a character waits for its last bytes, each of them would
+        # make every later token re-decode the whole run (random-weight models sample little else).
+        self.silent = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+        self.vocab_len = len(tokenizer)
         self.text = ""  # decoded so far (complete characters only)
         self.emitted = 0  # characters of self.text already streamed
         self.stopped_at: int | None = None
@@ -39,11 +45,12 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Add new output ids; return the text now safe to stream."""
         self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        self.window.extend(t for t in token_ids if t < self.vocab_len and t not in self.silent)
+        prefix_text = self._decode(self.window[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.window[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
             self.text += new_text[len(prefix_text):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.window)
         for s in self.stop:
             at = self.text.find(s, max(0, self.emitted - len(s)))
             if at >= 0 and (self.stopped_at is None or at < self.stopped_at):

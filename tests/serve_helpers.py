@@ -79,6 +79,29 @@ def stop_server(server: Server) -> None:
         server.process.wait(timeout=30)
 
 
+def engine_pid(server: Server) -> int:
+    """The server's engine process: its child started by multiprocessing's spawn (Linux /proc)."""
+    pid = server.process.pid
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    if b"spawn_main" in cmd.read():
+                        found.append(int(child))
+    assert len(found) == 1, f"expected one engine process under {pid}, found {found}"
+    return found[0]
+
+
+def process_ended(pid: int) -> bool:
+    """Gone, or a zombie (ended, waiting for a parent that may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def wait_for(condition, deadline_s: float = DEADLINE_S, what: str = "the condition", poll_s: float = 0.1):
     """Poll until `condition()` is truthy and return its value; fail after the deadline."""
     end = time.monotonic() + deadline_s

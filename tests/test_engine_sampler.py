@@ -276,6 +276,24 @@ def test_real_model_eos_stops_unless_ignore_eos(smol):
     assert forced.token_ids[:len(stopped.token_ids)] == stopped.token_ids
 
 
+def test_ids_without_text_keep_the_decoding_window_short():
+    """Random-weight models mostly sample ids past their byte tokenizer's vocabulary: they decode to
+    nothing and never enter the window re-decoded per token, even while a character is incomplete."""
+    import random
+
+    from zipage.engine.detokenizer import IncrementalDetokenizer
+    from zipage.engine.loader import resolve_model
+
+    tok = resolve_model("random:qwen3-0.6b").tokenizer
+    rng = random.Random(5)
+    ids = [rng.randrange(151936) for _ in range(400)]
+    ids[50:50] = [0xE2, 151000, 0x82, 150000, 0xAC]  # "€" split, with silent ids inside it
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.add([t]) for t in ids) + detok.finish()
+    assert streamed == tok.decode(ids) and "€" in streamed
+    assert len(detok.window) == sum(t < len(tok) for t in ids) < 10
+
+
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_streamed_text_equals_tokenizer_decode(smol, skip_special):
     """The detokenizer decodes through the Rust tokenizer directly; streamed deltas (ids added a

@@ -111,6 +111,44 @@ def test_concurrent_streaming_clients_get_their_own_greedy_answers(server, clien
     assert [usage for _, usage in results] == [24] * 8
 
 
+def test_many_concurrent_streams_give_the_offline_engines_greedy_answers(server, offline):
+    """Twenty-four streams at once, tokens and text detokenized by the server, against one offline batch."""
+    prompts = [prompt_ids(100 + i, n=4 + i % 5) for i in range(24)]
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        ids, text = [], ""
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    ids += choice.get("token_ids", [])
+                    text += choice["text"]
+        return ids, text
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=120) as http:
+            return await asyncio.gather(*(one(http, p) for p in prompts))
+
+    results = asyncio.run(all_at_once())
+    assert [ids for ids, _ in results] == [out.token_ids for out in expected]
+    assert [text for _, text in results] == [out.text for out in expected]
+
+
+def test_streamed_stop_string_ends_the_answer_before_it(client):
+    """Stop strings are matched in the engine: the streamed text is cut as the whole answer is."""
+    base = client.completions.create(model=MODEL, prompt=prompt_ids(3), max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(base[i:i + 2] for i in range(6, len(base) - 2) if base[i:i + 2].strip())
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt_ids(3), max_tokens=30, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == base[:base.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
 def test_client_that_disconnects_mid_stream_frees_its_blocks(server):
     with server.client() as http:
         with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Tell me a long story",
@@ -176,6 +214,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, None, "prompt is empty"),
     ("/v1/completions", {"prompt": [7] * 9000}, None, "max_model_len is 8192"),
     ("/v1/completions", {"prompt": [1, 2, 512]}, None, "out of range"),
+    ("/v1/completions", {"prompt": [7] * 2000}, None, "the KV pool holds only 1024"),  # refused by the engine
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream",

@@ -122,8 +122,17 @@ def models():
 app.add_typer(eval_app, name="eval")
 
 
-def _load_engine(engine_kwargs: dict):
-    """Start the engine behind a spinner; bad knobs or models exit with status 2, Ctrl+C with 130."""
+def _engine_process(engine_kwargs: dict):
+    """The engine in a child process (for the server): this process keeps the interpreter to itself."""
+    from zipage.engine.config import EngineConfig
+    from zipage.engine.process import EngineProcess
+
+    return EngineProcess(EngineConfig.from_kwargs(**engine_kwargs))
+
+
+def _load_engine(engine_kwargs: dict, start=None):
+    """Start the engine (an EngineThread, or what `start(engine_kwargs)` returns) behind a spinner; bad
+    knobs or models exit with status 2, Ctrl+C with 130."""
     import signal
 
     interrupted = []
@@ -136,12 +145,21 @@ def _load_engine(engine_kwargs: dict):
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
-            from zipage.engine.service import EngineThread
+            if start is None:
+                from zipage.engine.service import EngineThread
 
-            engine = EngineThread(**engine_kwargs)
+                start = lambda kwargs: EngineThread(**kwargs)  # noqa: E731
+            engine = start(engine_kwargs)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
+    except RuntimeError as e:
+        from zipage.engine.process import EngineGone  # loaded already by whatever raised
+
+        if not isinstance(e, EngineGone):
+            raise
+        err.print(f"[red]error:[/] {e}")  # the engine's own process did not come up
+        raise typer.Exit(1)
     except KeyboardInterrupt:  # quietly, as once the answer streams
         raise typer.Exit(130)
     finally:
@@ -336,7 +354,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console."""
     from zipage.cli.server import serve as run_server
 
-    engine = _load_engine(engine_kwargs)
+    engine = _load_engine(engine_kwargs, _engine_process)
     try:
         err.print(f"serving {engine.config.model} at http://{host}:{port}/v1")
         run_server(engine, host, port, api_key, log_level)

@@ -3,11 +3,14 @@ scrape time, and latency histograms the server observes as tokens stream out."""
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from zipage.engine.core import RequestOutput
 from zipage.engine.events import EngineSnapshot
@@ -58,6 +61,29 @@ def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
 
 
+class SharedValueHistogram(Collector):
+    """A histogram that takes n equal observations at the cost of one (the tokens of one output share
+    its gap). Observed and collected on one thread."""
+
+    def __init__(self, name: str, text: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+        self.name, self.text = name, text
+        self.bounds = [*buckets, math.inf]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def collect(self):
+        cumulative, total = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            total += count
+            cumulative.append((floatToGoString(bound), total))
+        yield HistogramMetricFamily(self.name, self.text, buckets=cumulative, sum_value=self.sum)
+
+
 class ServerMetrics:
     """One registry per server, so several apps in one process never share metrics."""
 
@@ -67,8 +93,8 @@ class ServerMetrics:
         self.registry.register(self.engine_state)
         self.ttft = Histogram("zipage_time_to_first_token_seconds", "From request arrival to its first token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("zipage_inter_token_latency_seconds", "Time between two tokens of one request.",
-                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.itl = SharedValueHistogram("zipage_inter_token_latency_seconds",
+                                        "Time between two tokens of one request.", ITL_BUCKETS, self.registry)
         self.e2e = Histogram("zipage_e2e_request_latency_seconds", "From request arrival to its last token.",
                              buckets=E2E_BUCKETS, registry=self.registry)
         self.finished = Counter("zipage_requests", "Requests ended, by finish reason.", ["finish_reason"],
@@ -81,7 +107,8 @@ class ServerMetrics:
 
 
 class LatencyTracker:
-    """Feeds one request's outputs to the histograms, timed on arrival at the server."""
+    """Feeds one request's outputs to the histograms, timed as the server streams them: the tokens of
+    one output share the gap since the output before (those that came with the first, none)."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
@@ -94,9 +121,10 @@ class LatencyTracker:
         if new > 0:
             if self.tokens == 0:
                 self.metrics.ttft.observe(now - self.arrival)
+                if new > 1:
+                    self.metrics.itl.observe(0.0, new - 1)
             else:
-                for _ in range(new):  # tokens of one output share its gap
-                    self.metrics.itl.observe((now - self.last) / new)
+                self.metrics.itl.observe((now - self.last) / new, new)
             self.tokens, self.last = out.num_output_tokens, now
         if out.finished:
             self.metrics.finished.labels(out.finish_reason or "unknown").inc()

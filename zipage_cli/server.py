@@ -1,17 +1,19 @@
-"""`zipage serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) in front of an EngineThread.
+"""`zipage serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) in front of an engine process.
 
-The event loop never blocks on the engine: submits run in the thread pool, and each request's outputs
-come back through the engine thread's `on_output` hook into an asyncio queue. A client that goes away
-aborts its request, which frees its blocks. `/zipage/snapshot`, `/zipage/config` and `/zipage/events`
-carry what the console panes draw, for `zipage top|chat --attach`.
+The engine runs in a child process (engine/process.py); this process holds HTTP, tokenizing and
+detokenizing, and its event loop receives every request's new tokens once per engine step
+(engine_client.py). A client that goes away aborts its request, which frees its blocks.
+`/zipage/snapshot`, `/zipage/config` and `/zipage/events` carry what the console panes draw, for
+`zipage top|chat --attach`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import hmac
 import json
+import signal
 import threading
 import time
 from dataclasses import asdict
@@ -19,7 +21,6 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,8 +28,9 @@ from starlette.routing import Route
 
 from zipage.engine.core import RequestOutput
 from zipage.engine.events import event_to_dict, snapshot_to_dict
-from zipage.engine.service import EngineThread
+from zipage.engine.process import EngineGone, EngineProcess
 from zipage.cli import openai_protocol as api
+from zipage.cli.engine_client import EngineClient, Submitted
 from zipage.cli.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
@@ -63,78 +65,46 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-class OutputRouter:
-    """Carries outputs from the engine thread to per-request asyncio queues, waking the event loop once
-    per burst (an engine step delivers one output per running request) rather than once per output."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.pending: list[tuple[asyncio.Queue, RequestOutput]] = []
-        self.scheduled = False
-        self.lock = threading.Lock()
-
-    def post(self, target: asyncio.Queue, out: RequestOutput) -> None:  # on the engine thread
-        with self.lock:
-            self.pending.append((target, out))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
-
-    def _flush(self) -> None:  # on the event loop
-        with self.lock:
-            pending, self.pending, self.scheduled = self.pending, [], False
-        for target, out in pending:
-            target.put_nowait(out)
-
-
 class Generation:
     """One request inside the engine, seen from the event loop: its outputs in order, its latencies
     recorded, and an abort if the consumer stops before the end."""
 
-    def __init__(self, engine: EngineThread, metrics: ServerMetrics, router: OutputRouter):
-        self.engine, self.router = engine, router
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics):
+        self.engine = engine
         self.latency = LatencyTracker(metrics)
-        self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.handle = None
+        self.request: Submitted | None = None
         self.finished = False
 
     async def start(self, prompt, params, session: str | None) -> "Generation":
-        on_output = functools.partial(self.router.post, self.outputs)
         try:
-            self.handle = await run_in_threadpool(self.engine.submit, prompt, params, session=session,
-                                                  on_output=on_output)
+            self.request = await self.engine.submit(prompt, params, session)
         except ValueError as e:  # bad prompt, too long, ...
             raise api.from_value_error(e) from None
-        except RuntimeError as e:
+        except EngineGone as e:
             raise api.ApiError(503, f"the engine is not running: {e}", kind="server_error") from None
         return self
 
-    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Every output that has arrived, in order, a list at a time (a slow reader gets them together)."""
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Its outputs until the finished one; each holds everything that arrived since the one before
+        (a slow reader gets fewer, larger ones)."""
+        feed = self.request.feed
         try:
             while not self.finished:
-                batch = [await self.outputs.get()]
-                while not batch[-1].finished and not self.outputs.empty():
-                    batch.append(self.outputs.get_nowait())
-                for out in batch:
-                    self.latency.observe(out)
-                self.finished = batch[-1].finished
-                yield batch
+                out = await feed.next()
+                self.latency.observe(out)
+                self.finished = out.finished
+                yield out
         finally:
             if not self.finished:  # the client left (or the server stops): free the request's blocks
-                self.engine.abort(self.handle)
+                self.engine.abort(self.request.id)
 
     async def result(self, request: Request) -> RequestOutput | None:
         """The final output, or None if the client disconnected first (the request is then aborted)."""
 
         async def last() -> RequestOutput:
-            async for batch in self.batches():
+            async for out in self.outputs():
                 pass
-            return batch[-1]
+            return out
 
         answer = asyncio.ensure_future(last())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -155,18 +125,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
+def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
     model = engine.config.model
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
     metrics = ServerMetrics()
     started = int(time.time())
-    routers: dict[asyncio.AbstractEventLoop, OutputRouter] = {}  # one per event loop (uvicorn runs one)
-
-    def router() -> OutputRouter:
-        loop = asyncio.get_running_loop()
-        if loop not in routers:
-            routers[loop] = OutputRouter(loop)
-        return routers[loop]
 
     async def read_body(request: Request) -> dict:
         try:
@@ -187,15 +150,15 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
             raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
         include_usage = api.stream_options(body)
         session = body.get("user") if isinstance(body.get("user"), str) else None
-        generation = await Generation(engine, metrics, router()).start(prompt, params, session)
-        reply = api.Reply(chat, generation.handle.id, model, generation.handle.prompt_tokens,
+        generation = await Generation(engine, metrics).start(prompt, params, session)
+        reply = api.Reply(chat, generation.request.id, model, generation.request.prompt_tokens,
                           token_ids=body.get("return_token_ids") is True)
-        headers = {REQUEST_ID_HEADER: str(generation.handle.id)}
+        headers = {REQUEST_ID_HEADER: str(generation.request.id)}
         if stream:
             # The abort after the response is a no-op for a finished request (it catches a client gone early).
             return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
                                      headers={**SSE_HEADERS, **headers},
-                                     background=BackgroundTask(engine.abort, generation.handle))
+                                     background=BackgroundTask(engine.abort, generation.request.id))
         out = await generation.result(request)
         if out is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -206,21 +169,20 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
     async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
-        sent_ids = 0
-        async for batch in generation.batches():
+        async for out in generation.outputs():
+            # One chunk for everything that arrived since the last: a client (or an event loop) that
+            # lags gets fewer, larger chunks instead of falling further behind.
+            failed = out.finish_reason == "error"
+            finished = out.finished and not failed
             events = []
-            for out in batch:
-                if out.finish_reason == "error":
-                    events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
-                    break
-                new_ids = list(out.token_ids[sent_ids:]) if out.finished else out.new_token_ids
-                sent_ids += len(new_ids)
-                if out.delta or out.finished or reply.token_ids:
-                    events.append(sse(reply.chunk(out.delta, out.finish_reason if out.finished else None, new_ids)))
-                if out.finished and include_usage:
-                    events.append(sse(reply.usage_chunk(out.num_output_tokens)))
+            if out.delta or finished or (reply.token_ids and out.new_token_ids):
+                events.append(sse(reply.chunk(out.delta, out.finish_reason if finished else None, out.new_token_ids)))
+            if failed:
+                events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
+            elif finished and include_usage:
+                events.append(sse(reply.usage_chunk(out.num_output_tokens)))
             if events:
-                yield "".join(events)  # one write for everything that arrived together
+                yield "".join(events)
         yield sse("[DONE]")
 
     async def chat_completions(request: Request) -> Response:
@@ -235,20 +197,18 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
 
     async def health(request: Request) -> Response:
         if not engine.alive:
-            raise api.ApiError(503, f"the engine stopped: {engine.failure!r}", kind="server_error")
+            raise api.ApiError(503, f"the engine stopped: {engine.failure or engine.process.exit_reason}",
+                               kind="server_error")
         return JSONResponse({"status": "ok"})
 
     async def prometheus(request: Request) -> Response:
         # A scrape waits for a snapshot taken now (at most one engine step), so counters are current.
-        snap = await run_in_threadpool(engine.snapshot, True)
+        snap = await engine.snapshot(fresh=True)
         return Response(metrics.render(snap), media_type=CONTENT_TYPE)
 
     async def snapshot(request: Request) -> Response:
         """The latest published snapshot (a few times a second); `?fresh=1` waits for one taken now."""
-        if request.query_params.get("fresh") in ("1", "true"):
-            snap = await run_in_threadpool(engine.snapshot, True)
-        else:
-            snap = engine.snapshot()
+        snap = await engine.snapshot(fresh=request.query_params.get("fresh") in ("1", "true"))
         return JSONResponse(snapshot_to_dict(snap))
 
     async def config(request: Request) -> Response:
@@ -297,18 +257,38 @@ def create_app(engine: EngineThread, api_key: str | None = None) -> Starlette:
         Route("/zipage/config", config),
         Route("/zipage/events", events),
     ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()  # the engine's turns are read on this event loop
+        try:
+            yield
+        finally:
+            engine.stop()
+
     app = Starlette(routes=routes, exception_handlers={api.ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_crash})
+                                                       Exception: on_crash}, lifespan=lifespan)
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app
 
 
-def serve(engine: EngineThread, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def serve(engine: EngineProcess, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           log_level: str = "info") -> None:
     """Run the server in this thread until interrupted; the caller closes the engine afterwards."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine, api_key), host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(create_app(EngineClient(engine), api_key), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3)
-    uvicorn.Server(config).run()
+    # uvicorn raises SIGTERM again once it has shut down; raised as SystemExit instead of killing this
+    # process outright, it leaves the caller the time to stop the engine process.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main_thread else None
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
