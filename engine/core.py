@@ -6,7 +6,6 @@ background thread.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
@@ -24,6 +23,7 @@ from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_S
                                   Compressed, EngineSnapshot, Event, Failed, Finished, MemoryInfo, PoolInfo, Preempted,
                                   Prefilled, RequestInfo, ThroughputMeter)
 from zipage.engine.loader import ModelSource, resolve_model
+from zipage.engine.prompts import PromptReader
 from zipage.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
 from zipage.engine.models.parallel import TensorParallel, check_tensor_parallel
 from zipage.engine.tp_workers import TensorParallelWorkers
@@ -59,6 +59,7 @@ class EngineCore:
         self.config = config
         self.source = source or resolve_model(config.model)
         self.tokenizer = self.source.tokenizer
+        self.prompts = PromptReader(self.source)
         hf = self.source.hf_config
         device = resolve_device(config.device)
         self.block_size = config.block_size or (256 if device.type == "cuda" else 32)
@@ -118,33 +119,7 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids for a prompt given as text, UTF-8 bytes, or token ids; ValueError when unusable."""
-        if isinstance(prompt, (bytes, bytearray)):
-            try:
-                prompt = bytes(prompt).decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"prompt is not valid UTF-8: {e}") from None
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt is not valid UTF-8: {e}") from None
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            try:
-                ids = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-            except TypeError:
-                bad = next(t for t in prompt if not isinstance(t, int))
-                raise ValueError(f"prompt token ids must be integers, got {bad!r}") from None
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
+        return self.prompts.encode(prompt)
 
     def check_prompt(self, ids: list[int]) -> list[int]:
         """ValueError unless the prompt fits max_model_len and the KV pool with room for one token."""
@@ -157,13 +132,7 @@ class EngineCore:
         return ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.source.name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode_prompt(text)
+        return self.prompts.chat(messages)
 
     def check_open(self) -> None:
         if self.closed:

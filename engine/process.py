@@ -32,7 +32,8 @@ from zipage.engine.config import EngineConfig
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.events import EngineSnapshot, Event
 from zipage.engine.frames import FrameReader, write_frame
-from zipage.engine.loader import ModelSource, resolve_model
+from zipage.engine.loader import resolve_model
+from zipage.engine.prompts import PromptReader
 
 STOP_TIMEOUT_S = 30.0  # how long a closing child may take to free the pool before it is killed
 PIPE_BYTES = 1 << 20  # room for many turns, so a parent busy for a moment never holds the engine up
@@ -176,25 +177,6 @@ class EngineLoop:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-class PromptEncoder:
-    """EngineCore's own prompt reading (text, UTF-8 bytes, token ids or chat messages -> checked token
-    ids), run where the tokenizer is but the model is not. Whether the prompt fits the context and
-    the pool is still the engine's to say (a submit can be refused)."""
-
-    encode_prompt = EngineCore.encode_prompt
-    apply_chat_template = EngineCore.apply_chat_template
-
-    def __init__(self, source: ModelSource):
-        self.source = source
-        self.tokenizer = source.tokenizer
-        self.vocab_size = source.hf_config.vocab_size
-
-    def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.apply_chat_template(prompt)
-        return self.encode_prompt(prompt)
-
-
 class EngineProcess:
     """The parent's handle on the engine child: start it (blocking until the model is loaded), send
     it messages, read its turns, stop it. One reader at a time; sending is thread-safe."""
@@ -203,7 +185,7 @@ class EngineProcess:
         self.config = config
         self.source = resolve_model(config.model)  # config and tokenizer only; the child loads the weights
         self.tokenizer = self.source.tokenizer
-        self.encoder = PromptEncoder(self.source)
+        self.prompts = PromptReader(self.source)  # prompts are read here, where the tokenizer is
         context = multiprocessing.get_context("spawn")  # the parent must never touch CUDA before a fork
         child_inbox, self.outbox = context.Pipe(duplex=False)
         self.inbox, child_outbox = context.Pipe(duplex=False)

@@ -177,7 +177,7 @@ class EngineThread:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        ids = self._encode(prompt)
+        ids = self.engine.prompts.read(prompt)
         ok, value = self._call("submit", (ids, params, session, on_output))
         if not ok:
             raise value
@@ -186,12 +186,7 @@ class EngineThread:
     def check_prompt(self, prompt) -> list[int]:
         """The token ids a prompt (text, ids or chat messages) would run with; ValueError if it could
         not run here (encoding, emptiness, max_model_len, pool size)."""
-        return self.engine.check_prompt(self._encode(prompt))
-
-    def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.engine.apply_chat_template(prompt)
-        return self.engine.encode_prompt(prompt)
+        return self.engine.check_prompt(self.engine.prompts.read(prompt))
 
     def abort(self, handle: RequestHandle | int) -> None:
         request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)

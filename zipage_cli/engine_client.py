@@ -88,7 +88,7 @@ class EngineClient:
         """Tokenize here, then hand the request to the engine. ValueError for a prompt or request the
         engine refuses (the message says why), EngineGone when there is no engine to take it."""
         self._check_alive()
-        ids = await asyncio.to_thread(self.process.encoder.encode, prompt)  # long texts must not stall the loop
+        ids = await asyncio.to_thread(self.process.prompts.read, prompt)  # long texts must not stall the loop
         self._check_alive()
         key = next(self._keys)
         accepted = self._loop.create_future()
