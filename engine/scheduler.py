@@ -113,6 +113,12 @@ class Scheduler:
         # that reaches the trigger's window) must write their queries.
         return self.geometry.prefill_end(seq) > self.geometry.window_start(seq)
 
+    def _admissible(self, seq: Sequence) -> bool:
+        """Whether the head of the waiting queue can be admitted now: a running place, blocks for
+        its prompt, and a query slot if its prefill needs one."""
+        return (len(self.running) < self.config.max_num_seqs and self.blocks.can_allocate(seq)
+                and (not self._needs_slot_at_admission(seq) or seq.query_slot is not None or bool(self.free_slots)))
+
     def _admit(self, seq: Sequence) -> None:
         self.waiting.popleft()
         self.blocks.allocate(seq)
@@ -132,9 +138,9 @@ class Scheduler:
 
     def plain_decode_ready(self) -> bool:
         """Whether the next `schedule()` is one decode token for every running request and nothing
-        else: none waits to be admitted, no prefill is part-way, none reaches a compression point or a
+        else: none can be admitted, no prefill is part-way, none reaches a compression point or a
         window without a query slot, and the pool has a block for each request that needs one."""
-        if self.waiting:
+        if self.waiting and self._admissible(self.waiting[0]):
             return False
         needed, decoding = 0, 0
         for seq in self.running:
@@ -161,12 +167,10 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
-                break
-            if self._needs_slot_at_admission(seq) and not self._take_slot(seq):
-                break
+            if self._needs_slot_at_admission(seq):
+                self._take_slot(seq)
             self._admit(seq)
             n = min(seq.prefill_end - seq.num_computed_tokens, budget)
             seqs.append(seq)

@@ -127,3 +127,13 @@ def test_outputs_never_depend_on_overlap(model_path, lengths, chunk, pool, max_t
     pool = max(pool, -(-max(lengths) // 16) + 2)
     requests = [(p, greedy(m), False) for p, m in zip(prompts, max_tokens)]
     same_outputs(model_path, requests, num_kv_blocks=pool, max_num_batched_tokens=chunk, compression=compression)
+
+
+def test_steps_overlap_while_requests_wait_for_room(model_path):
+    """Requests that cannot be admitted yet (every running place taken) do not stop the running
+    ones from overlapping; each is admitted as soon as a place frees up."""
+    prompts = random_prompts(5, [8, 14, 21, 9, 30], seed=8)
+    requests = [(p, greedy(m), False) for p, m in zip(prompts, [30, 12, 25, 18, 20])]
+    outputs, overlapped = same_outputs(model_path, requests, max_num_seqs=2)
+    assert [o.num_output_tokens for o in outputs] == [30, 12, 25, 18, 20]
+    assert overlapped >= 40
