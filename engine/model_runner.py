@@ -352,7 +352,7 @@ class ModelRunner:
         tokens = step.host_ids.tolist()
         for row, (i, token) in enumerate(zip(step.sampling, tokens)):
             seq = step.batch.seqs[i]
-            if self.logits_observer is not None:
+            if self.logits_observer is not None and step.logits is not None:
                 self.logits_observer(seq, step.logits[row])
             if seq.forced_tokens is not None and seq.num_output_tokens < len(seq.forced_tokens):
                 token = seq.forced_tokens[seq.num_output_tokens]

@@ -33,7 +33,12 @@ def serve(path, requests, overlap: bool, **knobs):
         engine.close()
 
 
-def same_outputs(path, requests, **knobs):
+# Counters that depend on when a waiting request is admitted: with overlap, the blocks of a request
+# that ends in step N are freed when step N is read, after step N+1 was planned.
+SCHEDULE_COUNTERS = ("preemptions", "prefix_hit_tokens", "compressions")
+
+
+def same_outputs(path, requests, same_schedule: bool = True, **knobs):
     plain, plain_totals, none = serve(path, requests, overlap=False, **knobs)
     overlapped, totals, count = serve(path, requests, overlap=True, **knobs)
     assert none == 0
@@ -42,6 +47,9 @@ def same_outputs(path, requests, **knobs):
         assert b.text == a.text
         assert (b.finish_reason, b.num_output_tokens) == (a.finish_reason, a.num_output_tokens)
         assert -1 not in b.token_ids
+    if not same_schedule:
+        for key in SCHEDULE_COUNTERS:
+            totals.pop(key), plain_totals.pop(key)
     assert totals == plain_totals
     return overlapped, count
 
@@ -118,17 +126,20 @@ def test_abort_while_a_step_is_in_flight(model_path):
         engine.close()
 
 
-@settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+@settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4), chunk=st.integers(1, 80),
        pool=st.integers(8, 40), max_tokens=st.lists(st.integers(1, 50), min_size=4, max_size=4),
        compression=st.booleans(), seed=st.integers(0, 10_000))
 def test_outputs_never_depend_on_overlap(model_path, lengths, chunk, pool, max_tokens, compression, seed):
-    """Any mix of prompt lengths, chunked prefill, tight pools (preemption) and compression."""
+    """Any mix of prompt lengths, chunked prefill, tight pools (preemption) and compression. A request
+    waiting for room may be admitted a step later with overlap, so the schedule may differ; what
+    each request gets may not."""
     prompts = random_prompts(len(lengths), lengths, seed=seed)
     pool = max(pool, -(-max(lengths) // 16) + 2)
     requests = [(p, greedy(m), False) for p, m in zip(prompts, max_tokens)]
-    same_outputs(model_path, requests, num_kv_blocks=pool, max_num_batched_tokens=chunk, compression=compression)
+    same_outputs(model_path, requests, same_schedule=False, num_kv_blocks=pool, max_num_batched_tokens=chunk,
+                 compression=compression)
 
 
 def test_steps_overlap_while_requests_wait_for_room(model_path):
