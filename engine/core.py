@@ -165,13 +165,20 @@ class EngineCore:
         job = self.jobs.pop(request_id, None)
         if job is not None and job.future is not None:
             wait([job.future])  # the worker is writing its blocks; free them once it is done
-        return self._finish(seq, "abort")
+        out = self._finish(seq, "abort")
+        self._settle_inflight()
+        return out
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self._settle_inflight()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._land_compressions(block=False)
         if self.inflight is not None:
             overlapped = self._overlapped_step()
@@ -247,6 +254,17 @@ class EngineCore:
             return outputs
         tokens, failed = self._collect(launched)
         return outputs + failed + self._apply_tokens(batch, tokens)
+
+    def finish_inflight(self) -> list[RequestOutput]:
+        """Read the step in flight now, so nothing is left queued (a paused engine, or one stepped by
+        hand, shows every token it computed): its outputs."""
+        return self._collect_inflight() if self.inflight is not None else []
+
+    def _settle_inflight(self) -> None:
+        """A step in flight whose requests have all ended (the last token of each came in the step
+        before, or they were aborted) is waited for and dropped, so an idle engine holds no step."""
+        if self.inflight is not None and all(seq.is_finished for seq in self.inflight.batch.seqs):
+            self._collect_inflight()  # reports nothing: every request in it has ended
 
     def _collect_inflight(self) -> list[RequestOutput]:
         launched, self.inflight = self.inflight, None

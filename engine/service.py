@@ -276,6 +276,8 @@ class EngineThread:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self._paused.is_set() or not self.engine.has_work():
+                    if self.engine.inflight is not None:  # paused: what was computed is shown
+                        self._deliver(self.engine.finish_inflight())
                     self._publish(force=False)
                     self._wake.wait(timeout=SNAPSHOT_INTERVAL_S)
                     self._wake.clear()
@@ -339,9 +341,9 @@ class EngineThread:
                     self._deliver([out])
             elif kind == "snapshot":
                 reply.put((True, self._publish(force=True)))
-            elif kind == "step":
+            elif kind == "step":  # one whole step by hand (teaching mode): its tokens are read before the reply
                 if self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    self._deliver(self.engine.step() + self.engine.finish_inflight())
                 reply.put((True, self._publish(force=True)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

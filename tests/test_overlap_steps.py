@@ -150,3 +150,51 @@ def test_steps_overlap_while_requests_wait_for_room(model_path):
     outputs, overlapped = same_outputs(model_path, requests, max_num_seqs=2)
     assert [o.num_output_tokens for o in outputs] == [30, 12, 25, 18, 20]
     assert overlapped >= 40
+
+
+def test_an_idle_engine_holds_no_step(model_path):
+    """The step queued after every request's last token is dropped once they have all ended, and an
+    abort of the last running request drops the step it was in: an idle engine has no work."""
+    engine = make_engine(model_path, overlap_steps=True)
+    try:
+        prompts = random_prompts(2, [10, 15], seed=9)
+        for p in prompts:
+            engine.add_request(p, greedy(12))
+        done = run(engine)
+        assert len(done) == 2 and engine.inflight is None and not engine.has_work()
+        seq = engine.add_request(prompts[0], greedy(40))
+        for _ in range(100):
+            if engine.inflight is not None and engine.overlapped_steps > 3:
+                break
+            engine.step()
+        assert engine.inflight is not None
+        engine.abort(seq.id)
+        assert engine.inflight is None and not engine.has_work()
+        assert_drained(engine)
+    finally:
+        engine.close()
+
+
+def test_a_step_by_hand_shows_its_tokens(model_path):
+    """Teaching mode pauses the engine thread and steps it by hand: each decode step's token is read
+    before the step returns, so every step shows exactly one more token per request."""
+    from zipage.engine.service import EngineThread
+
+    service = EngineThread(model_path, **dict(make_knobs(), overlap_steps=True))
+    try:
+        service.pause()
+        handles = [service.submit(p, greedy(6)) for p in random_prompts(2, [9, 12], seed=10)]
+        service.step_once()  # the prefill: each request's first token
+        for expected in range(2, 6):
+            assert [r.output_tokens for r in service.step_once().requests] == [expected] * 2
+        assert service.step_once().requests == ()  # the sixth token ends both
+        service.resume()
+        assert all(h.result(timeout=60).num_output_tokens == 6 for h in handles)
+    finally:
+        service.close()
+
+
+def make_knobs() -> dict:
+    from compression_helpers import SMALL_BUDGET
+
+    return dict(SMALL_BUDGET, num_kv_blocks=128)
