@@ -104,7 +104,8 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     result = {"cut_off": cut_off, "saturated": saturated, "mean_step_ms": 1000 * seconds / max(steps, 1),
               "mean_compression_ms": 1000 * sum(durations) / len(durations) if durations else None,
               "tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
-              "peak_concurrency": peak_running, "steps": steps, "preemptions": engine.totals["preemptions"],
+              "peak_concurrency": peak_running, "steps": steps, "overlapped_steps": engine.overlapped_steps,
+              "preemptions": engine.totals["preemptions"],
               "compressions": engine.totals["compressions"], "kv_blocks": engine.blocks.num_blocks,
               "block_size": engine.block_size, "query_slots": engine.runner.num_query_slots,
               "peak_blocks_per_request_sampled": peak_blocks_per_req,
@@ -170,6 +171,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                        help="overlapped decode steps (auto: on for CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -187,7 +190,8 @@ def main(argv=None) -> dict:
     engine_kwargs = dict(device=args.device, block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                          num_kv_blocks=args.num_kv_blocks,
-                         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+                         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                         overlap_steps={"auto": None, "on": True, "off": False}[args.overlap])
     device_name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     results = {"model": args.model, "gpu": device_name, "torch": torch.__version__,
                "args": vars(args), "total_output_tokens": sum(outputs),
