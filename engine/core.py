@@ -162,9 +162,6 @@ class EngineCore:
         seq = self.requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
-        job = self.jobs.pop(request_id, None)
-        if job is not None and job.future is not None:
-            wait([job.future])  # the worker is writing its blocks; free them once it is done
         out = self._finish(seq, "abort")
         self._settle_inflight()
         return out
@@ -235,16 +232,21 @@ class EngineCore:
         waiting_for = [previous.batch.seqs[i] for i in previous.sampling if not previous.batch.seqs[i].is_finished]
         for seq in waiting_for:
             seq.expect_token()
-        if not self.scheduler.plain_decode_ready():
+        if not self.scheduler.overlap_ready():
             for seq in waiting_for:
                 seq.forget_expected_token()
             return None
         batch = self.scheduler.schedule()
-        assert batch is not None and not (batch.is_prefill or batch.preempted or batch.compress or batch.exhausted), \
-            "plain_decode_ready() promised a plain decode step"
+        assert batch is not None and batch.seqs and not (batch.is_prefill or batch.preempted or batch.exhausted), \
+            "overlap_ready() promised decode and compressions only"
+        # A compression reads KV up to the token in flight, which the device writes before it starts;
+        # the sampled id itself is not needed.
+        outputs = []
+        for job in batch.compress:
+            outputs += self._start_compression(job)
         launched = self._launch(batch, previous)
         self.overlapped_steps += 1
-        outputs = self._collect_inflight()
+        outputs += self._collect_inflight()
         if not isinstance(launched, LaunchedStep):
             return outputs + launched
         # Only now are the tokens whose KV this step writes all known: block hashes read them.
@@ -394,6 +396,11 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         seq.forget_expected_token()  # a token still on the device is never reported
+        # An abort, or a last token read after its compression started (overlapped steps): the worker
+        # is writing its blocks, so they are freed once it is done, and the compaction is dropped.
+        job = self.jobs.pop(seq.id, None)
+        if job is not None and job.future is not None:
+            wait([job.future])
         self.scheduler.remove(seq)
         seq.finish(reason, error)
         self.totals["finished"] += 1

@@ -136,10 +136,12 @@ class Scheduler:
             return batch
         return self._schedule_decode()
 
-    def plain_decode_ready(self) -> bool:
-        """Whether the next `schedule()` is one decode token for every running request and nothing
-        else: none can be admitted, no prefill is part-way, none reaches a compression point or a
-        window without a query slot, and the pool has a block for each request that needs one."""
+    def overlap_ready(self) -> bool:
+        """Whether the next `schedule()` can be planned before the host reads the tokens in flight:
+        decode for the running requests, plus compressions, and nothing else. So none can be admitted,
+        no prefill is part-way, none reaches a window without a query slot, the pool has a block for
+        each request that decodes, and every compression due has its blocks already (one that needs
+        fresh blocks might preempt, and a preempted request must see all its tokens)."""
         if self.waiting and self._admissible(self.waiting[0]):
             return False
         needed, decoding = 0, 0
@@ -148,8 +150,11 @@ class Scheduler:
                 continue  # it skips decode until its compression lands, as in any step
             if seq.status is not Status.RUNNING or seq.in_prefill:
                 return False
-            if self.geometry is not None and (self.geometry.needs_compression(seq) or (
-                    seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None)):
+            if self.geometry is not None and self.geometry.needs_compression(seq):
+                if self.compressor.fresh_blocks_needed(seq) > 0:
+                    return False
+                continue  # planned from lengths alone; past the per-step cap it waits a step
+            if self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
                 return False
             needed += self.blocks.needs_new_block(seq)
             decoding += 1

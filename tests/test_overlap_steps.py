@@ -33,8 +33,10 @@ def serve(path, requests, overlap: bool, **knobs):
         engine.close()
 
 
-# Counters that depend on when a waiting request is admitted: with overlap, the blocks of a request
-# that ends in step N are freed when step N is read, after step N+1 was planned.
+# Counters that depend on the schedule: with overlap, the blocks of a request that ends in step N are
+# freed when step N is read, after step N+1 was planned, so a waiting request may be admitted a step
+# later; and a compression may start for a request whose token in flight turns out to be its last
+# (a compaction that lands at once, without the worker, is then counted).
 SCHEDULE_COUNTERS = ("preemptions", "prefix_hit_tokens", "compressions")
 
 
@@ -89,6 +91,69 @@ def test_a_repetition_penalty_is_served_synchronously_beside_overlapped_requests
                 (prompts[1], greedy(30), False), (prompts[2], greedy(45), False)]
     _, overlapped = same_outputs(model_path, requests)
     assert overlapped >= 10  # once the penalised request is done, the others overlap
+
+
+def watch_compression_starts(engine) -> list[tuple[bool, int, int]]:
+    """For each compression the engine starts: whether a step was in flight, the request, and its
+    output tokens counted then (its token in flight included)."""
+    starts = []
+    start = engine._start_compression
+
+    def recording(job):
+        starts.append((engine.inflight is not None, job.seq.id, job.seq.num_output_tokens))
+        return start(job)
+
+    engine._start_compression = recording
+    return starts
+
+
+@pytest.mark.parametrize("async_compress", [False, True])
+def test_compressions_start_while_a_step_is_in_flight(model_path, async_compress):
+    """A compression is planned from lengths alone, so the step that starts it overlaps too, and what
+    each request gets is unchanged."""
+    prompts = random_prompts(4, [7, 20, 33, 50], seed=1)
+    requests = [(p, greedy(m), False) for p, m in zip(prompts, [40, 60, 17, 80])]
+    same_outputs(model_path, requests, same_schedule=async_compress, async_compress=async_compress)
+    engine = make_engine(model_path, overlap_steps=True, async_compress=async_compress)
+    try:
+        starts = watch_compression_starts(engine)
+        for prompt, params, _ in requests:
+            engine.add_request(prompt, params)
+        run(engine)
+        assert_drained(engine)
+        assert sum(in_flight for in_flight, *_ in starts) >= 3
+    finally:
+        engine.close()
+
+
+def test_a_request_that_ends_while_its_compression_runs(model_path):
+    """A compression started while the request's token was in flight, and that token is its last:
+    the compaction is waited for and dropped, the request ends as it would have without overlap, and
+    every block comes back."""
+    prompt, partner = random_prompts(2, [12, 9], seed=11)  # the partner decodes beside the compression
+    probe = make_engine(model_path, overlap_steps=True)
+    try:
+        starts = watch_compression_starts(probe)
+        first = probe.add_request(prompt, greedy(60))
+        probe.add_request(partner, greedy(60))
+        run(probe)
+        in_flight, last = next((f, n) for f, request, n in starts if request == first.id)
+        assert in_flight
+    finally:
+        probe.close()
+    requests = [(prompt, greedy(last), False), (partner, greedy(60), False)]
+    same_outputs(model_path, requests)
+    engine = make_engine(model_path, overlap_steps=True)
+    try:
+        starts = watch_compression_starts(engine)
+        seqs = [engine.add_request(p, params) for p, params, _ in requests]
+        done = run(engine)
+        ended = done[seqs[0].id]
+        assert ended.num_output_tokens == last and ended.metrics["times_compressed"] == 0
+        assert (True, seqs[0].id, last) in starts  # its compression started, and never landed
+        assert_drained(engine)
+    finally:
+        engine.close()
 
 
 def test_model_length_limit(model_path):

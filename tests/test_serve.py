@@ -75,6 +75,19 @@ def test_chat_streaming_equals_not_streaming(client):
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
+def test_developer_role_is_a_system_message_and_plain_text_format_is_accepted(client):
+    """OpenAI's "developer" role reads as "system" (chat templates know only the latter), and
+    response_format {"type": "text"} asks for nothing beyond plain text."""
+    def reply(role, **extra):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True}, **extra)
+
+    system, developer = reply("system"), reply("developer", response_format={"type": "text"})
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    assert developer.choices[0].message.content == system.choices[0].message.content
+
+
 def test_stop_string_ends_the_answer_before_it(client):
     base = client.completions.create(model=MODEL, prompt=prompt_ids(2), max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -217,6 +230,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [7] * 2000}, None, "the KV pool holds only 1024"),  # refused by the engine
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages", "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "usr", "content": "hi"}]}, "messages", "role='usr'"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, "messages", "role='tool'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream",
      "stream='yes'"),
 ]

@@ -41,7 +41,11 @@ def from_value_error(e: ValueError) -> ApiError:
 # silently gets something other than what it asked for.
 NEUTRAL_VALUES = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0),
                   "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],),
-                  "suffix": ("",)}
+                  "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},)}
+
+# Roles a chat template knows; "developer" is OpenAI's newer name for "system". Tool messages need tools,
+# which are not supported.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # Sampling fields taken as they come; SamplingParams validates them.
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -88,6 +92,9 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        if m["role"] not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role={m['role']!r}: must be one of {', '.join(CHAT_ROLES)}",
+                              "messages")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -96,7 +103,7 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        plain.append({"role": m["role"], "content": content})
+        plain.append({"role": CHAT_ROLES[m["role"]], "content": content})
     return plain
 
 
