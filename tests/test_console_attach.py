@@ -4,8 +4,10 @@ driven with Textual's pilot."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -148,3 +150,36 @@ def test_attach_errors_are_clear(server):
     assert result.exit_code == 2 and "need a local engine" in result.output
     result = CliRunner().invoke(cli, ["top", "--attach", server.url, "--api-key", API_KEY, "--block-size", "16"])
     assert result.exit_code == 2 and "--block-size" in result.output
+
+
+class NotZipage(BaseHTTPRequestHandler):
+    """Some other web service: every GET gets 200 and a JSON object of its own."""
+
+    def do_GET(self):
+        body = json.dumps({"status": "fine", "items": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_attach_to_a_wrong_key_a_bad_url_or_another_service_says_so(server):
+    with pytest.raises(ValueError, match="refused the API key"):
+        RemoteEngine(server.url, "not-the-key")
+    with pytest.raises(ValueError, match="not a valid URL"):
+        RemoteEngine("http://[::1", API_KEY)
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotZipage)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        with pytest.raises(ValueError, match="not as a zipage server does"):
+            RemoteEngine(url)
+        result = CliRunner().invoke(cli, ["top", "--attach", url])
+        assert result.exit_code == 2 and "not as a zipage server does" in result.output
+    finally:
+        other.shutdown()
+        other.server_close()
