@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +20,8 @@ from zipage.cli.main import app as cli
 from zipage.cli.remote import RemoteEngine
 from zipage.cli.top import TopApp
 from zipage.engine.config import SamplingParams
-from serve_helpers import API_KEY, DEADLINE_S, MODEL, free_port, start_server, stop_server, wait_until_idle
+from serve_helpers import (API_KEY, DEADLINE_S, MODEL, engine_pid, free_port, start_server, stop_server,
+                           wait_until_idle)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,22 @@ async def until(pilot, condition, what: str):
     while not condition():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         await pilot.pause(0.1)
+
+
+def kept_notes(app) -> list[str]:
+    """Every notification's message from now on, kept (the app drops its own once they time out)."""
+    notes, notify = [], app.notify
+
+    def keep(message, *args, **kwargs):
+        notes.append(message)
+        return notify(message, *args, **kwargs)
+
+    app.notify = keep
+    return notes
+
+
+def said(notes: list[str], words: str) -> bool:
+    return any(words in note for note in notes)
 
 
 class LongStream:
@@ -150,6 +169,44 @@ def test_attach_errors_are_clear(server):
     assert result.exit_code == 2 and "need a local engine" in result.output
     result = CliRunner().invoke(cli, ["top", "--attach", server.url, "--api-key", API_KEY, "--block-size", "16"])
     assert result.exit_code == 2 and "--block-size" in result.output
+
+
+def test_top_shows_a_stopped_engine_and_a_lost_server_then_recovers(tmp_path):
+    server = start_server(tmp_path / "first.log")
+    remote = None
+    try:
+        remote = RemoteEngine(server.url, API_KEY)
+
+        async def run():
+            nonlocal server
+            app = TopApp(remote, None)
+            notes = kept_notes(app)
+            async with app.run_test(size=(150, 45)) as pilot:
+                stream = LongStream(server, "watched")
+                assert stream.started.wait(DEADLINE_S)
+                await until(pilot, lambda: app.table.row_count == 1, "the request's row")
+                assert app.sub_title.endswith("live")
+
+                os.kill(engine_pid(server), signal.SIGKILL)  # the server stays, its engine is gone
+                await until(pilot, lambda: "engine process exited" in app.sub_title, "the stopped engine in the title")
+                assert app.sub_title.endswith("NOT LIVE") and said(notes, "last known state")
+                stream.stop()
+
+                server.process.kill()
+                server.process.wait(DEADLINE_S)
+                await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
+
+                server = start_server(tmp_path / "second.log", port=int(server.url.rsplit(":", 1)[1]))
+                await until(pilot, lambda: app.sub_title.endswith("live") and "NOT" not in app.sub_title,
+                            "the new server's state")
+                await until(pilot, lambda: app.table.row_count == 0, "the old engine's request to go")
+                assert said(notes, "answers again")
+
+        asyncio.run(run())
+    finally:
+        if remote is not None:
+            remote.close()
+        stop_server(server)
 
 
 class NotZipage(BaseHTTPRequestHandler):

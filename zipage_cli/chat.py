@@ -415,5 +415,7 @@ class ChatApp(SidePanes, ThemedApp):
         self.panes.show(snapshot, drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
-        self.sub_title = (f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "
+        problem = self.connection_problem(self.engine)
+        self.sub_title = ((f"{problem} · last known: " if problem else "")
+                          + f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "
                           f"{running} answering · step {snapshot.step}")

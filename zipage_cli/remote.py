@@ -41,7 +41,8 @@ class RemoteEngine:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = None  # tokenization happens on the server
         self.failure: BaseException | None = None
-        self.error: str | None = None  # the last polling problem, None while the server answers
+        self._poll_error: str | None = None  # why the snapshot is not current, None while it is
+        self._events_error: str | None = None
         self.config, self._snapshot = self._connect(api_key is not None)
         self._subscribers = Subscribers()
         self._handles: set[RemoteHandle] = set()
@@ -96,16 +97,30 @@ class RemoteEngine:
     async def _spawn(self, coro) -> asyncio.Task:
         return asyncio.create_task(coro)
 
+    @property
+    def error(self) -> str | None:
+        """Why the snapshot and events are not current (the server is gone, or its engine stopped);
+        None while they are."""
+        return self._poll_error or self._events_error
+
     async def _poll_snapshots(self) -> None:
         while True:
-            try:
-                response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
-                response.raise_for_status()
-                self._snapshot = snapshot_from_dict(response.json())
-                self.error = None
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                self.error = f"lost the server at {self.url}: {_describe(e)}"
+            self._poll_error = await self._poll_once()
             await asyncio.sleep(POLL_S)
+
+    async def _poll_once(self) -> str | None:
+        """Refresh the snapshot; returns what keeps it from being current, or None."""
+        try:
+            response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
+            response.raise_for_status()
+            self._snapshot = snapshot_from_dict(response.json())
+            # A server whose engine died still serves that engine's last snapshot: only /health tells.
+            health = await self._client.get("/health", timeout=CONNECT_TIMEOUT_S)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            return f"lost the server at {self.url}: {_describe(e)}"
+        if health.status_code != 200:
+            return f"the server at {self.url} answers, but {_error_message(health)}"
+        return None
 
     async def _follow_events(self) -> None:
         while True:
@@ -114,11 +129,12 @@ class RemoteEngine:
                                                timeout=httpx.Timeout(CONNECT_TIMEOUT_S,
                                                                      read=EVENTS_READ_TIMEOUT_S)) as response:
                     response.raise_for_status()
+                    self._events_error = None
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             self._subscribers.publish([event_from_dict(json.loads(line[6:]))])
             except (httpx.HTTPError, ValueError, KeyError) as e:
-                self.error = f"lost the event stream of {self.url}: {_describe(e)}"
+                self._events_error = f"lost the event stream of {self.url}: {_describe(e)}"
             await asyncio.sleep(RETRY_S)
 
     # -- EngineThread's interface ---------------------------------------------------
