@@ -4,19 +4,24 @@ driven with Textual's pilot."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
 from typer.testing import CliRunner
 
-from zipage.cli.chat import ChatApp
+from zipage.cli.chat import ChatApp, Message
 from zipage.cli.main import app as cli
 from zipage.cli.remote import RemoteEngine
 from zipage.cli.top import TopApp
 from zipage.engine.config import SamplingParams
-from serve_helpers import API_KEY, DEADLINE_S, MODEL, free_port, start_server, stop_server, wait_until_idle
+from serve_helpers import (API_KEY, DEADLINE_S, MODEL, engine_pid, free_port, start_server, stop_server,
+                           wait_until_idle)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +43,31 @@ async def until(pilot, condition, what: str):
     while not condition():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         await pilot.pause(0.1)
+
+
+def endless(session) -> None:
+    """This session's answers run until stopped (or until their server goes)."""
+    session.conv.params = lambda: SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True)
+
+
+def short(session) -> None:
+    session.conv.params = lambda: SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def kept_notes(app) -> list[str]:
+    """Every notification's message from now on, kept (the app drops its own once they time out)."""
+    notes, notify = [], app.notify
+
+    def keep(message, *args, **kwargs):
+        notes.append(message)
+        return notify(message, *args, **kwargs)
+
+    app.notify = keep
+    return notes
+
+
+def said(notes: list[str], words: str) -> bool:
+    return any(words in note for note in notes)
 
 
 class LongStream:
@@ -148,3 +178,145 @@ def test_attach_errors_are_clear(server):
     assert result.exit_code == 2 and "need a local engine" in result.output
     result = CliRunner().invoke(cli, ["top", "--attach", server.url, "--api-key", API_KEY, "--block-size", "16"])
     assert result.exit_code == 2 and "--block-size" in result.output
+
+
+def test_chat_keeps_a_refused_message_in_the_box(server, remote):
+    async def run():
+        app = ChatApp(remote)
+        notes = kept_notes(app)
+        async with app.run_test(size=(150, 45)) as pilot:
+            session = app.current
+            endless(session)
+            app.prompt.value = "first"
+            await pilot.press("enter")
+            await until(pilot, lambda: session.handle is not None, "the answer to start")
+            app.prompt.value = "second"
+            await pilot.press("enter")  # refused: the session is still answering
+            assert app.prompt.value == "second" and said(notes, "still answering")
+            await pilot.press("escape")
+            await until(pilot, lambda: not session.busy, "the stopped answer to end")
+            session.conv.history.clear()  # the stopped answer may be long enough to fill the small pool
+            short(session)
+            await pilot.press("enter")  # now it goes
+            assert app.prompt.value == ""
+            await until(pilot, lambda: session.conv.history, "the second answer")
+            assert session.conv.history[0] == {"role": "user", "content": "second"}
+
+    asyncio.run(run())
+    wait_until_idle(server)
+
+
+def test_chat_keeps_the_streamed_answer_when_the_server_dies_and_resends_once_it_is_back(tmp_path):
+    server = start_server(tmp_path / "first.log")
+    remote = None
+    try:
+        remote = RemoteEngine(server.url, API_KEY)
+
+        async def run():
+            nonlocal server
+            app = ChatApp(remote)
+            notes = kept_notes(app)
+            async with app.run_test(size=(150, 45)) as pilot:
+                session = app.current
+                endless(session)
+                app.prompt.value = "a long story"
+                await pilot.press("enter")
+                reply = session.view.query(".msg-assistant").last()
+                await until(pilot, lambda: reply.text not in ("", "…"), "the answer to stream")
+                drawn = reply.text
+                server.process.kill()
+                server.process.wait(DEADLINE_S)
+                await until(pilot, lambda: not session.busy, "the broken answer to end")
+
+                assert reply.text.startswith(drawn), "what streamed before the failure stays"
+                errors = [m for m in session.view.query(Message) if m.has_class("msg-error")]
+                assert len(errors) == 1 and errors[0].text.startswith("error: ")
+                assert session.conv.history == []  # a broken answer is not built on
+                await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
+
+                server = start_server(tmp_path / "second.log", port=int(server.url.rsplit(":", 1)[1]))
+                await until(pilot, lambda: said(notes, "answers again"), "the server to be found again")
+                await pilot.press("up")
+                assert app.prompt.value == "a long story"
+                short(session)
+                await pilot.press("enter")
+                await until(pilot, lambda: session.conv.history, "the answer from the new server")
+                assert session.conv.history[0] == {"role": "user", "content": "a long story"}
+                assert "lost" not in app.sub_title
+
+        asyncio.run(run())
+    finally:
+        if remote is not None:
+            remote.close()
+        stop_server(server)
+
+
+def test_top_shows_a_stopped_engine_and_a_lost_server_then_recovers(tmp_path):
+    server = start_server(tmp_path / "first.log")
+    remote = None
+    try:
+        remote = RemoteEngine(server.url, API_KEY)
+
+        async def run():
+            nonlocal server
+            app = TopApp(remote, None)
+            notes = kept_notes(app)
+            async with app.run_test(size=(150, 45)) as pilot:
+                stream = LongStream(server, "watched")
+                assert stream.started.wait(DEADLINE_S)
+                await until(pilot, lambda: app.table.row_count == 1, "the request's row")
+                assert app.sub_title.endswith("live")
+
+                os.kill(engine_pid(server), signal.SIGKILL)  # the server stays, its engine is gone
+                await until(pilot, lambda: "engine process exited" in app.sub_title, "the stopped engine in the title")
+                assert app.sub_title.endswith("NOT LIVE") and said(notes, "last known state")
+                stream.stop()
+
+                server.process.kill()
+                server.process.wait(DEADLINE_S)
+                await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
+
+                server = start_server(tmp_path / "second.log", port=int(server.url.rsplit(":", 1)[1]))
+                await until(pilot, lambda: app.sub_title.endswith("live") and "NOT" not in app.sub_title,
+                            "the new server's state")
+                await until(pilot, lambda: app.table.row_count == 0, "the old engine's request to go")
+                assert said(notes, "answers again")
+
+        asyncio.run(run())
+    finally:
+        if remote is not None:
+            remote.close()
+        stop_server(server)
+
+
+class NotZipage(BaseHTTPRequestHandler):
+    """Some other web service: every GET gets 200 and a JSON object of its own."""
+
+    def do_GET(self):
+        body = json.dumps({"status": "fine", "items": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_attach_to_a_wrong_key_a_bad_url_or_another_service_says_so(server):
+    with pytest.raises(ValueError, match="refused the API key"):
+        RemoteEngine(server.url, "not-the-key")
+    with pytest.raises(ValueError, match="not a valid URL"):
+        RemoteEngine("http://[::1", API_KEY)
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotZipage)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        with pytest.raises(ValueError, match="not as a zipage server does"):
+            RemoteEngine(url)
+        result = CliRunner().invoke(cli, ["top", "--attach", url])
+        assert result.exit_code == 2 and "not as a zipage server does" in result.output
+    finally:
+        other.shutdown()
+        other.server_close()

@@ -269,13 +269,14 @@ class ChatApp(SidePanes, ThemedApp):
     # -- input ---------------------------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         line = event.value.strip()
-        event.input.value = ""
         self.prompt.remember(line)
-        if line:
-            await self.run_line(line)
+        if line and not await self.run_line(line):
+            return  # a refused message (its session still answering) stays in the box, to send later
+        event.input.value = ""
 
-    async def run_line(self, line: str) -> None:
-        """A message for the current session, or a slash command."""
+    async def run_line(self, line: str) -> bool:
+        """A message for the current session, or a slash command; False for a message that was
+        refused (the notification says why)."""
         command, arg = split_command(line)
         session = self.current
         try:
@@ -299,6 +300,8 @@ class ChatApp(SidePanes, ThemedApp):
                 self.show_settings()
         except ValueError as e:
             self.notify(str(e), severity="error")
+            return bool(command)  # a refused command is short to type again; a message is kept
+        return True
 
     def action_broadcast(self) -> None:
         text = self.prompt.value.strip()
@@ -369,7 +372,7 @@ class ChatApp(SidePanes, ThemedApp):
             handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
                                         session=session.conv.name)
         except (ValueError, RuntimeError) as e:
-            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), time.monotonic())
+            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), time.monotonic(), "")
             return
         session.handle = handle
         if session.stop_requested:  # Esc arrived while the submit was in flight
@@ -380,7 +383,7 @@ class ChatApp(SidePanes, ThemedApp):
             if time.monotonic() - drawn >= STREAM_REDRAW_S:
                 drawn = time.monotonic()
                 self.call_from_thread(self.show_partial, reply, text)
-        self.call_from_thread(self.finish, session, prompt, reply, handle, None, time.monotonic())
+        self.call_from_thread(self.finish, session, prompt, reply, handle, None, time.monotonic(), text)
 
     def show_partial(self, reply: Message, text: str) -> None:
         if not reply.is_attached:  # the session was closed meanwhile
@@ -388,7 +391,7 @@ class ChatApp(SidePanes, ThemedApp):
         reply.set_text(text)  # the anchored transcript follows it unless the user scrolled back
 
     def finish(self, session: Session, prompt: str, reply: Message, handle: RequestHandle | None,
-               error: str | None, ended: float) -> None:
+               error: str | None, ended: float, streamed: str) -> None:
         session.busy, session.handle = False, None
         out = handle.result() if handle is not None else None
         if out is not None and out.finish_reason == "error":
@@ -396,14 +399,25 @@ class ChatApp(SidePanes, ThemedApp):
         if not reply.is_attached:  # the session was closed meanwhile
             return
         if error is not None:
-            reply.set_text(f"error: {error}")
-            reply.set_classes("msg msg-error")
+            self.show_failure(reply, streamed, error)
         else:
             reply.set_text(out.text or "(empty answer)")
             session.conv.record(prompt, out.text)
             meta = answer_meta(out, ended)
             reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
         self.show_settings()
+
+    @staticmethod
+    def show_failure(reply: Message, streamed: str, error: str) -> None:
+        """What streamed before the failure stays on screen. The turn is not recorded, so the next
+        message does not build on a broken answer, and ↑ recalls this one to send it again."""
+        note = f"error: {error}\nNot kept in the conversation: ↑ recalls your message to send it again."
+        if streamed:
+            reply.set_text(streamed)
+            reply.parent.mount(Message(note, "msg-error"), after=reply)
+        else:
+            reply.set_text(note)
+            reply.set_classes("msg msg-error")
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
@@ -415,5 +429,7 @@ class ChatApp(SidePanes, ThemedApp):
         self.panes.show(snapshot, drain(self.events))
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
-        self.sub_title = (f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "
+        problem = self.connection_problem(self.engine)
+        self.sub_title = ((f"{problem} · last known: " if problem else "")
+                          + f"{snapshot.model} · {snapshot.device} · {count} session{'s' if count != 1 else ''}, "
                           f"{running} answering · step {snapshot.step}")

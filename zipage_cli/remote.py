@@ -41,11 +41,9 @@ class RemoteEngine:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = None  # tokenization happens on the server
         self.failure: BaseException | None = None
-        self.error: str | None = None  # the last polling problem, None while the server answers
-        with httpx.Client(base_url=self.url, headers=self.headers, timeout=CONNECT_TIMEOUT_S) as client:
-            known = {f.name for f in fields(EngineConfig)}
-            self.config = EngineConfig(**{k: v for k, v in self._get(client, "/zipage/config").items() if k in known})
-            self._snapshot = snapshot_from_dict(self._get(client, "/zipage/snapshot"))
+        self._poll_error: str | None = None  # why the snapshot is not current, None while it is
+        self._events_error: str | None = None
+        self.config, self._snapshot = self._connect(api_key is not None)
         self._subscribers = Subscribers()
         self._handles: set[RemoteHandle] = set()
         self._lock = threading.Lock()
@@ -56,17 +54,35 @@ class RemoteEngine:
         self._background = [self._call(self._spawn(self._poll_snapshots())),
                             self._call(self._spawn(self._follow_events()))]
 
-    def _get(self, client: httpx.Client, path: str) -> dict:
-        """A JSON GET made while connecting; every problem becomes a ValueError that says what to fix."""
+    def _connect(self, keyed: bool) -> tuple[EngineConfig, EngineSnapshot]:
+        """The server's config and snapshot; every problem becomes a ValueError that says what to fix."""
+        try:
+            with httpx.Client(base_url=self.url, headers=self.headers, timeout=CONNECT_TIMEOUT_S) as client:
+                config = self._get(client, "/zipage/config", keyed)
+                snapshot = self._get(client, "/zipage/snapshot", keyed)
+        except httpx.InvalidURL as e:  # not an httpx.HTTPError: raised before any request is sent
+            raise ValueError(f"{self.url} is not a valid URL: {_describe(e)}") from None
+        try:
+            known = {f.name for f in fields(EngineConfig)}
+            return EngineConfig(**{k: v for k, v in config.items() if k in known}), snapshot_from_dict(snapshot)
+        except (AttributeError, KeyError, TypeError, ValueError):  # some other server's JSON
+            raise ValueError(f"{self.url} answered, but not as a zipage server does: is it `zipage serve`?") from None
+
+    def _get(self, client: httpx.Client, path: str, keyed: bool):
         try:
             response = client.get(path)
         except httpx.HTTPError as e:
-            raise ValueError(f"cannot reach a zipage server at {self.url}: {e}") from None
+            raise ValueError(f"cannot reach a zipage server at {self.url}: {_describe(e)}") from None
+        if response.status_code == 401 and keyed:
+            raise ValueError(f"{self.url} refused the API key: check --api-key (or ZIPAGE_API_KEY)")
         if response.status_code == 401:
             raise ValueError(f"{self.url} wants an API key: pass --api-key (or set ZIPAGE_API_KEY)")
         if response.status_code != 200:
             raise ValueError(f"{self.url}{path} answered {response.status_code}: is it a zipage server?")
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise ValueError(f"{self.url}{path} did not answer JSON: is it a zipage server?") from None
 
     # -- the loop thread -------------------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
@@ -81,16 +97,30 @@ class RemoteEngine:
     async def _spawn(self, coro) -> asyncio.Task:
         return asyncio.create_task(coro)
 
+    @property
+    def error(self) -> str | None:
+        """Why the snapshot and events are not current (the server is gone, or its engine stopped);
+        None while they are."""
+        return self._poll_error or self._events_error
+
     async def _poll_snapshots(self) -> None:
         while True:
-            try:
-                response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
-                response.raise_for_status()
-                self._snapshot = snapshot_from_dict(response.json())
-                self.error = None
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                self.error = f"lost the server at {self.url}: {e}"
+            self._poll_error = await self._poll_once()
             await asyncio.sleep(POLL_S)
+
+    async def _poll_once(self) -> str | None:
+        """Refresh the snapshot; returns what keeps it from being current, or None."""
+        try:
+            response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
+            response.raise_for_status()
+            self._snapshot = snapshot_from_dict(response.json())
+            # A server whose engine died still serves that engine's last snapshot: only /health tells.
+            health = await self._client.get("/health", timeout=CONNECT_TIMEOUT_S)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            return f"lost the server at {self.url}: {_describe(e)}"
+        if health.status_code != 200:
+            return f"the server at {self.url} answers, but {_error_message(health)}"
+        return None
 
     async def _follow_events(self) -> None:
         while True:
@@ -99,11 +129,12 @@ class RemoteEngine:
                                                timeout=httpx.Timeout(CONNECT_TIMEOUT_S,
                                                                      read=EVENTS_READ_TIMEOUT_S)) as response:
                     response.raise_for_status()
+                    self._events_error = None
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             self._subscribers.publish([event_from_dict(json.loads(line[6:]))])
             except (httpx.HTTPError, ValueError, KeyError) as e:
-                self.error = f"lost the event stream of {self.url}: {e}"
+                self._events_error = f"lost the event stream of {self.url}: {_describe(e)}"
             await asyncio.sleep(RETRY_S)
 
     # -- EngineThread's interface ---------------------------------------------------
@@ -144,15 +175,11 @@ class RemoteEngine:
         try:
             response = await self._client.send(self._client.build_request("POST", path, json=body), stream=True)
         except httpx.HTTPError as e:
-            raise RuntimeError(f"cannot reach the server at {self.url}: {e}") from None
+            raise RuntimeError(f"cannot reach the server at {self.url}: {_describe(e)}") from None
         if response.status_code != 200:
             await response.aread()
             await response.aclose()
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise ValueError(message)
+            raise ValueError(_error_message(response))
         handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0)
         handle.task = asyncio.create_task(self._read(response, handle))
         return handle
@@ -180,7 +207,7 @@ class RemoteEngine:
         except asyncio.CancelledError:
             reason = "abort"  # abort(): closing the stream below tells the server to stop
         except (httpx.HTTPError, ValueError, KeyError) as e:
-            reason, error = "error", f"the stream from {self.url} broke: {e}"
+            reason, error = "error", f"the stream from {self.url} broke: {_describe(e)}"
         finally:
             await response.aclose()
             if reason is None:
@@ -235,3 +262,15 @@ class RemoteEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error body, else the body itself."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text
+
+
+def _describe(e: Exception) -> str:
+    return str(e) or type(e).__name__  # httpx's timeouts carry no message

@@ -360,11 +360,13 @@ class TopApp(SidePanes, ThemedApp):
         self.last_compression.update((e.request, e) for e in events if e.kind == "compressed")
         self.panes.show(snapshot, events)
         self.event_log.select(self.selected)
-        mode = "TEACHING (paused)" if self.engine.paused else "live"
+        problem = self.connection_problem(self.engine)
+        mode = "TEACHING (paused)" if self.engine.paused else "NOT LIVE" if problem else "live"
         load = f" · load: {self.load.submitted} sent" if self.load else ""
         if self.load and self.load.error:
             load += f" (stopped: {self.load.error})"
-        self.sub_title = (f"{snapshot.model} · {snapshot.device} · step {snapshot.step} · {snapshot.running} running, "
+        self.sub_title = ((f"{problem} · last known: " if problem else "")
+                          + f"{snapshot.model} · {snapshot.device} · step {snapshot.step} · {snapshot.running} running, "
                           f"{snapshot.waiting} waiting · {mode}{load}")
 
     def show_requests(self, snapshot: EngineSnapshot) -> None:

@@ -489,6 +489,20 @@ class SidePanes:
         self.body.set_class(shown, "side-off")
         self.body.set_class(not shown, "side-on")
 
+    lost: str | None = None  # what the attached server's problem was at the last check
+
+    def connection_problem(self, engine) -> str | None:
+        """An attached server's problem (gone, or its engine stopped), said once when it starts and
+        once when it clears, so that panes frozen at the server's last state are not read as live.
+        A local engine has no such problem (it has no `error`)."""
+        problem = getattr(engine, "error", None)
+        if problem and not self.lost:
+            self.notify(f"{problem}. The panes show its last known state.", severity="error", timeout=10)
+        elif self.lost and not problem:
+            self.notify("the server answers again", timeout=4)
+        self.lost = problem
+        return problem
+
 
 class HelpScreen(ModalScreen):
     """The app's key bindings and any extra notes (chat's slash commands, top's teaching mode)."""
