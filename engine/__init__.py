@@ -5,7 +5,7 @@ import importlib
 # Imported on first use (PEP 562): the command line reads the config without loading torch.
 _PUBLIC = {"LLM": "zipage.engine.llm", "SamplingParams": "zipage.engine.config",
            "EngineConfig": "zipage.engine.config", "EngineSnapshot": "zipage.engine.events",
-           "RequestOutput": "zipage.engine.core"}
+           "RequestOutput": "zipage.engine.core", "PromptTooLong": "zipage.engine.core"}
 
 __all__ = list(_PUBLIC)
 

@@ -54,6 +54,11 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
+
+class PromptTooLong(ValueError):
+    """A prompt that cannot run here: it leaves no room for a generated token within max_model_len or
+    the whole KV pool. (OpenAI's API calls this context_length_exceeded.)"""
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None):
         self.config = config
@@ -122,12 +127,12 @@ class EngineCore:
         return self.prompts.encode(prompt)
 
     def check_prompt(self, ids: list[int]) -> list[int]:
-        """ValueError unless the prompt fits max_model_len and the KV pool with room for one token."""
+        """PromptTooLong unless the prompt fits max_model_len and the KV pool with room for one token."""
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
         if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt has {len(ids)} tokens but the KV pool holds only "
+            raise PromptTooLong(f"prompt has {len(ids)} tokens but the KV pool holds only "
                              f"{self.blocks.num_blocks * self.block_size}")
         return ids
 

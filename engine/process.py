@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from zipage.engine.config import EngineConfig
-from zipage.engine.core import EngineCore, RequestOutput
+from zipage.engine.core import EngineCore, PromptTooLong, RequestOutput
 from zipage.engine.events import EngineSnapshot, Event
 from zipage.engine.frames import FrameReader, write_frame
 from zipage.engine.loader import resolve_model
@@ -48,7 +48,7 @@ class Turn:
     """Everything one loop turn of the child has to tell the parent."""
 
     accepted: list[tuple[int, int, int]] = field(default_factory=list)  # (key, request id, prompt tokens)
-    refused: list[tuple[int, str]] = field(default_factory=list)  # (key, why: a ValueError's message)
+    refused: list[tuple[int, ValueError]] = field(default_factory=list)  # (key, why); PromptTooLong stays one
     # (request id, new output ids, text delta): the delta is None when the parent detokenizes
     tokens: list[tuple[int, list[int], str | None]] = field(default_factory=list)
     ended: list[RequestOutput] = field(default_factory=list)  # final outputs, every output id in them
@@ -125,8 +125,8 @@ class EngineLoop:
             _, key, ids, params, session = message
             try:
                 seq = self.engine.add_request(ids, params, session=session, stream=False)
-            except ValueError as e:
-                turn.refused.append((key, str(e)))
+            except ValueError as e:  # rebuilt from its message: any subclass's own arguments may not pickle
+                turn.refused.append((key, (PromptTooLong if isinstance(e, PromptTooLong) else ValueError)(str(e))))
                 return
             self.live[seq.id] = [seq, seq.num_prompt_tokens]
             turn.accepted.append((key, seq.id, seq.num_prompt_tokens))

@@ -20,6 +20,7 @@ from zipage.cli.main import app as cli
 from zipage.cli.remote import RemoteEngine
 from zipage.cli.top import TopApp
 from zipage.engine.config import SamplingParams
+from zipage.engine.core import PromptTooLong
 from serve_helpers import (API_KEY, DEADLINE_S, MODEL, engine_pid, free_port, start_server, stop_server,
                            wait_until_idle)
 
@@ -161,8 +162,11 @@ def test_remote_engine_submit_abort_and_refusals(server, remote):
     assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 8000
     wait_until_idle(server)
 
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(PromptTooLong, match="max_model_len"):  # the same error as a local engine's
         remote.submit([7] * 9000, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="out of range") as refused:
+        remote.submit([999999], SamplingParams(max_tokens=2))
+    assert not isinstance(refused.value, PromptTooLong)
     with pytest.raises(RuntimeError, match="teaching mode"):
         remote.pause()
     done = remote.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)).result(DEADLINE_S)

@@ -101,6 +101,19 @@ def test_plain_chat_reads_piped_lines():
     assert done.stdout.count("\n") == 2  # one line per answer
 
 
+def test_plain_chat_says_how_to_go_on_when_the_conversation_outgrows_the_pool():
+    """Every message carries the whole conversation; once that no longer fits, the refusal says to
+    /clear, and after it the session answers again."""
+    lines = "/temp 0\n/max 20\nhello\nhello again\nonce more\n/clear\nhi\n"
+    done = subprocess.run(CLI + ["chat"] + TINY + ["--num-kv-blocks", "6"], input=lines, capture_output=True,
+                          text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(refusals) == 1 and "KV pool holds only 96" in refusals[0] and "/clear" in refusals[0]
+    assert "history cleared" in done.stderr
+    assert done.stdout.count("\n") == 3  # two answers before the refusal, one after /clear
+
+
 def test_bench_json_has_all_three_modes(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(CLI + ["bench", "--mode", "zipage", "--mode", "fullkv", "--mode", "hf",

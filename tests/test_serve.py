@@ -252,6 +252,8 @@ def test_bad_request_gets_400_in_openai_shape(server, path, body, param, words):
         assert error["type"] == "invalid_request_error"
         assert words in error["message"]
         assert error["param"] == param
+        too_long = "max_model_len" in words or "KV pool" in words
+        assert (error["code"] == "context_length_exceeded") == too_long  # OpenAI's code, which clients test
         # ...and the server keeps serving
         ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1

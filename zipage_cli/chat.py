@@ -372,7 +372,7 @@ class ChatApp(SidePanes, ThemedApp):
             handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
                                         session=session.conv.name)
         except (ValueError, RuntimeError) as e:
-            self.call_from_thread(self.finish, session, prompt, reply, None, str(e), time.monotonic(), "")
+            self.call_from_thread(self.finish, session, prompt, reply, None, session.conv.refusal(e), time.monotonic(), "")
             return
         session.handle = handle
         if session.stop_requested:  # Esc arrived while the submit was in flight

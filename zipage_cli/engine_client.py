@@ -153,7 +153,7 @@ class EngineClient:
         for key, why in turn.refused:
             accepted = self._submits.pop(key)[0]
             if not accepted.cancelled():
-                accepted.set_exception(ValueError(why))
+                accepted.set_exception(why)
         for request_id, ids, delta in turn.tokens:
             feed = feeds.get(request_id)
             if feed is not None:

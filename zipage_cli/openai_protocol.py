@@ -7,7 +7,7 @@ import re
 import time
 
 from zipage.engine.config import SamplingParams
-from zipage.engine.core import RequestOutput
+from zipage.engine.core import PromptTooLong, RequestOutput
 
 
 class ApiError(Exception):
@@ -31,8 +31,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param, code)
 
 
+# OpenAI's error code for a prompt that leaves no room to answer; clients test for it.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def from_value_error(e: ValueError) -> ApiError:
     """The engine's ValueErrors read "field=value: why"; the field becomes the error's param."""
+    if isinstance(e, PromptTooLong):
+        return bad_request(str(e), code=CONTEXT_LENGTH_EXCEEDED)
     field = re.match(r"([a-z_]+)=", str(e))
     return bad_request(str(e), field.group(1) if field else None)
 

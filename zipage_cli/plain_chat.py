@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from zipage.engine.config import SamplingParams
+from zipage.engine.core import PromptTooLong
 from zipage.engine.service import EngineThread
 
 SETTING_COMMANDS = """\
@@ -47,6 +48,13 @@ class Conversation:
 
     def record(self, prompt: str, answer: str) -> None:
         self.history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+    def refusal(self, e: Exception) -> str:
+        """Why a message was not sent. Every message carries the whole conversation, so one that has
+        outgrown the context or the KV pool says how to go on."""
+        if isinstance(e, PromptTooLong) and self.history:
+            return f"{e}. Each message carries the whole conversation: /clear starts it afresh"
+        return str(e)
 
     def settings_line(self) -> str:
         system = f"system: {self.system[:24]}…" if self.system and len(self.system) > 24 else (
@@ -179,7 +187,7 @@ def handle_line(engine: EngineThread, conv: Conversation, line: str, out: TextIO
         else:
             answer(engine, conv, line, out)
     except (ValueError, RuntimeError) as e:
-        err.write(f"error: {e}\n")
+        err.write(f"error: {conv.refusal(e)}\n")
     return True
 
 

@@ -18,9 +18,10 @@ from dataclasses import fields
 import httpx
 
 from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.core import RequestOutput
+from zipage.engine.core import PromptTooLong, RequestOutput
 from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
 from zipage.engine.service import RequestHandle, Subscribers
+from zipage.cli.openai_protocol import CONTEXT_LENGTH_EXCEEDED
 from zipage.cli.server import REQUEST_ID_HEADER
 
 POLL_S = 0.25  # snapshot refresh, the rate EngineThread publishes at
@@ -179,7 +180,7 @@ class RemoteEngine:
         if response.status_code != 200:
             await response.aread()
             await response.aclose()
-            raise ValueError(_error_message(response))
+            raise _refusal(response)
         handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0)
         handle.task = asyncio.create_task(self._read(response, handle))
         return handle
@@ -270,6 +271,15 @@ def _error_message(response: httpx.Response) -> str:
         return response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return response.text
+
+
+def _refusal(response: httpx.Response) -> ValueError:
+    """A refused request as the local engine would have raised it."""
+    try:
+        too_long = response.json()["error"]["code"] == CONTEXT_LENGTH_EXCEEDED
+    except (ValueError, KeyError, TypeError):
+        too_long = False
+    return (PromptTooLong if too_long else ValueError)(_error_message(response))
 
 
 def _describe(e: Exception) -> str:
