@@ -324,3 +324,32 @@ def test_attach_to_a_wrong_key_a_bad_url_or_another_service_says_so(server):
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_a_request_to_a_hung_server_ends_with_an_error(server, remote, monkeypatch):
+    """A server that stops answering (here: its process stopped) never takes the request: submit
+    gives up after ACCEPT_TIMEOUT_S instead of leaving the session answering for ever. Once the
+    server runs again it serves, and the abandoned request leaves nothing behind."""
+    import zipage.cli.remote as remote_module
+
+    monkeypatch.setattr(remote_module, "ACCEPT_TIMEOUT_S", 2.0)
+    outcome = []
+
+    def send():
+        try:
+            outcome.append(remote.submit("hello", SamplingParams(temperature=0.0, max_tokens=4)))
+        except RuntimeError as e:
+            outcome.append(e)
+
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(DEADLINE_S)  # a submit that never gives up fails here rather than hanging the suite
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert not sender.is_alive(), "submit waited for ever on a stopped server"
+    assert isinstance(outcome[0], RuntimeError) and "did not take the request" in str(outcome[0])
+    done = remote.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)).result(DEADLINE_S)
+    assert done.finish_reason == "length" and len(done.token_ids) == 4
+    wait_until_idle(server)

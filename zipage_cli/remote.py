@@ -28,6 +28,9 @@ POLL_S = 0.25  # snapshot refresh, the rate EngineThread publishes at
 CONNECT_TIMEOUT_S = 10.0
 EVENTS_READ_TIMEOUT_S = 15.0  # the server sends a keepalive every few seconds
 RETRY_S = 1.0
+# The server answers a request's headers once its engine has taken it, which takes a step at most;
+# a server that has not by then is hung (or stopped), and the request must not wait for ever.
+ACCEPT_TIMEOUT_S = 60.0
 
 
 class RemoteHandle(RequestHandle):
@@ -174,7 +177,11 @@ class RemoteEngine:
 
     async def _start(self, path: str, body: dict, session: str | None) -> RemoteHandle:
         try:
-            response = await self._client.send(self._client.build_request("POST", path, json=body), stream=True)
+            response = await asyncio.wait_for(
+                self._client.send(self._client.build_request("POST", path, json=body), stream=True), ACCEPT_TIMEOUT_S)
+        except asyncio.TimeoutError:  # the connection is closed, so a server that wakes up drops the request
+            raise RuntimeError(f"the server at {self.url} did not take the request within {ACCEPT_TIMEOUT_S:g} s: "
+                               "is it hung?") from None
         except httpx.HTTPError as e:
             raise RuntimeError(f"cannot reach the server at {self.url}: {_describe(e)}") from None
         if response.status_code != 200:
