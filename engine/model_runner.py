@@ -62,6 +62,15 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _load_weights(model: CausalLM, source: ModelSource) -> None:
+    """The source's weights into the model; a weight that is missing, misshapen or corrupt names the
+    model file or folder it came from."""
+    try:
+        model.load_weights(source.load_weights())
+    except ValueError as e:
+        raise ValueError(f"model {source.path!r}: {e}") from None
+
+
 class ModelRunner:
     """One rank's model shard and KV cache. Under tensor parallelism rank 0 (the engine's runner)
     sends every forward's packed metadata to the other ranks (`workers`), which run the same
@@ -96,7 +105,7 @@ class ModelRunner:
         if source.is_random:
             model.init_random(config.seed)
         else:
-            model.load_weights(source.load_weights())
+            _load_weights(model, source)
         self.model = model.eval()
         self.model.rope.set_length(max_model_len)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -110,17 +119,9 @@ class ModelRunner:
         self.geometry = geometry  # where window queries go (rank 0 only: the others get packed rows)
         # Every rank holds the same blocks and slots: the fewest any of them has room for.
         self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
-        shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._allocate_pool()
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        # Compression state: queries of the observation window, and each kept entry's last score.
-        self.query_cache = torch.zeros(
-            (self.num_layers, self.num_query_slots * self.window, self.num_heads, self.head_dim),
-            dtype=self.dtype, device=self.device)
-        self.score_cache = torch.zeros(
-            (self.num_layers, self.num_blocks * block_size if self.compression else 0, self.num_kv_heads),
-            dtype=torch.float32, device=self.device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         # Graph capture needs kernels that never sync with the host: the Triton ones.
@@ -147,6 +148,27 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         """Bytes of everything the pool holds: KV blocks, score cache and query slots."""
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache))
+
+    def _allocate_pool(self) -> None:
+        """The KV blocks, and the compression state: queries of the observation window and each kept
+        entry's last score. A pool the device cannot hold (a num_kv_blocks or kv_cache_gb set too
+        large) is a ValueError that says so, not an allocator error."""
+        blocks, slots = self.num_blocks, self.num_query_slots
+        try:
+            self.kv_cache = torch.zeros(
+                (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                dtype=self.dtype, device=self.device)
+            self.query_cache = torch.zeros((self.num_layers, slots * self.window, self.num_heads, self.head_dim),
+                                           dtype=self.dtype, device=self.device)
+            self.score_cache = torch.zeros(
+                (self.num_layers, blocks * self.block_size if self.compression else 0, self.num_kv_heads),
+                dtype=torch.float32, device=self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
+            self.kv_cache = self.query_cache = self.score_cache = None
+            gib = (blocks * self.block_bytes + slots * self.query_slot_bytes) / (1 << 30)
+            raise ValueError(f"the KV pool ({blocks} blocks, {gib:.3g} GiB) does not fit in {self.device.type} "
+                             f"memory ({type(e).__name__} from the allocator); lower num_kv_blocks or "
+                             "kv_cache_gb") from None
 
     def release(self) -> None:
         """Drop the KV pool, the weights and the CUDA graphs, so their device memory returns now and

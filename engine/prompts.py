@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from jinja2 import TemplateError
 
 from zipage.engine.loader import ModelSource
 
@@ -41,11 +42,7 @@ class PromptReader:
                 raise ValueError("prompt is empty")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            try:
-                ids = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-            except TypeError:
-                bad = next(t for t in prompt if not isinstance(t, int))
-                raise ValueError(f"prompt token ids must be integers, got {bad!r}") from None
+            ids = _token_ids(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -60,7 +57,28 @@ class PromptReader:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            # Templates concatenate strings: anything else fails deep inside Jinja.
+            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                raise ValueError(f"messages[{i}]: role and content must be strings, got "
+                                 f"{type(m['role']).__name__} and {type(m['content']).__name__}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:  # the template refused the messages (say, roles out of order)
+            raise ValueError(f"the chat template of {self.name!r} refused these messages: {e}") from None
         return self.encode(text)
+
+
+def _token_ids(values) -> list[int]:
+    """Token ids as ints; a float, a string or a bool (True would silently become id 1) is a ValueError."""
+    ids = []
+    for t in values:
+        if isinstance(t, bool):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {t!r}") from None
+    return ids

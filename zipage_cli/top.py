@@ -44,8 +44,14 @@ def read_prompts(path: str) -> list[str]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"prompts file {path!r} not found")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {path!r} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"prompts file {path!r} cannot be read: {e.strerror}") from None
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -409,6 +409,8 @@ class CausalLM(nn.Module):
 def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    if not tensor.is_floating_point():  # integer weights (a quantized or broken file) would be cast silently
+        raise ValueError(f"weight {name!r} has dtype {tensor.dtype}; expected floating-point weights")
     param.copy_(tensor.to(param.dtype))
     if not torch.isfinite(param).all():  # checked after the cast: a value can also overflow the dtype
         raise ValueError(f"weight {name!r} holds NaN or infinite values: the model file is corrupt")
