@@ -109,7 +109,8 @@ class RotaryEmbedding(nn.Module):
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            with torch.device("cpu"):  # real values even when the model is built on the meta device
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         # Plain attributes, not buffers: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq.float()
         self.scaling = float(scaling)
