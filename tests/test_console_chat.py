@@ -230,6 +230,9 @@ def test_help_explains_the_panes_terms_and_names_keys_plainly(engine):
             for term in ("q-slots", "compressed target", "kv ", "TTFT"):
                 assert term in shown, term
             assert "question_mark" not in shown and "ctrl+pagedown, alt+right" not in shown
+            # Every key is listed, the message box's ↑/↓ (recall earlier messages) too.
+            keys = {line.split("  ")[0].strip() for line in shown.splitlines()}
+            assert {"↑", "↓", "f1", "^n", "^b", "esc", "^t", "f2"} <= keys, keys
 
     asyncio.run(run())
 

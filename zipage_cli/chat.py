@@ -348,7 +348,8 @@ class ChatApp(SidePanes, ThemedApp):
         notes = ("Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
                  + "\n\nThe side panes: each request's KV blocks (glyph = role), throughput, the pool and "
                  "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS)
-        self.push_screen(HelpScreen("Zipage chat: keys", self.BINDINGS, notes))
+        keys = self.BINDINGS[:-1] + HistoryInput.BINDINGS + self.BINDINGS[-1:]  # ↑/↓ belong to the message box
+        self.push_screen(HelpScreen("Zipage chat: keys", keys, notes))
 
     # -- answering -----------------------------------------------------------------
     def ask(self, session: Session, prompt: str) -> None:

@@ -11,8 +11,10 @@ class HistoryInput(Input):
     before the recall comes back."""
 
     BINDINGS = [
-        Binding("up", "recall(-1)", "Earlier message", show=False),
-        Binding("down", "recall(1)", "Later message", show=False),
+        Binding("up", "recall(-1)", "Earlier message", show=False,
+                tooltip="Recall an earlier message you sent"),
+        Binding("down", "recall(1)", "Later message", show=False,
+                tooltip="Step forward again, back to the message being typed"),
     ]
 
     def __init__(self, *args, **kwargs):

@@ -464,5 +464,7 @@ class TopApp(SidePanes, ThemedApp):
                  "preemptions and finishes.\n\nThe block pool map draws every KV block: colour = owning "
                  "request (underlined or reversed once colours run out), glyph = role; dim dots are free blocks, "
                  "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS)
-        self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS, notes))
+        # ↑/↓ belong to the requests table.
+        select = Binding("up,down", "noop", tooltip="Select another request; teaching mode explains it")
+        self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS[:3] + [select] + self.BINDINGS[3:], notes))
 
