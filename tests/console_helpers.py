@@ -3,7 +3,10 @@ compressed, and pilot helpers. Deadlines only turn a hang into a failure: no tes
 
 from __future__ import annotations
 
+import io
 import time
+
+from rich.console import Console
 
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
 HANG_S = 120.0
@@ -21,3 +24,15 @@ async def wait_for(pilot, condition, timeout: float = HANG_S, what: str = "condi
 async def type_line(pilot, text: str) -> None:
     await pilot.press(*text)
     await pilot.press("enter")
+
+
+async def help_text(app, pilot) -> str:
+    """Open the app's help screen (F1) and return what it shows, as plain text."""
+    from zipage.cli.widgets import HelpScreen
+
+    await pilot.press("f1")
+    await pilot.pause()
+    assert isinstance(app.screen, HelpScreen)
+    console = Console(record=True, width=100, file=io.StringIO())
+    console.print(app.screen.query_one("#help-box Static").content)
+    return console.export_text()

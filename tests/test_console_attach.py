@@ -4,12 +4,14 @@ driven with Textual's pilot."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -210,87 +212,90 @@ def test_chat_keeps_a_refused_message_in_the_box(server, remote):
     wait_until_idle(server)
 
 
-def test_chat_keeps_the_streamed_answer_when_the_server_dies_and_resends_once_it_is_back(tmp_path):
-    server = start_server(tmp_path / "first.log")
-    remote = None
+@contextlib.contextmanager
+def own_server(tmp_path):
+    """A server one test may kill and start again on the same port, and a console's client of it
+    (`.server`, `.remote`)."""
+    own = SimpleNamespace(server=start_server(tmp_path / "first.log"), remote=None, log=tmp_path / "second.log")
     try:
-        remote = RemoteEngine(server.url, API_KEY)
-
-        async def run():
-            nonlocal server
-            app = ChatApp(remote)
-            notes = kept_notes(app)
-            async with app.run_test(size=(150, 45)) as pilot:
-                session = app.current
-                endless(session)
-                app.prompt.value = "a long story"
-                await pilot.press("enter")
-                reply = session.view.query(".msg-assistant").last()
-                await until(pilot, lambda: reply.text not in ("", "…"), "the answer to stream")
-                drawn = reply.text
-                server.process.kill()
-                server.process.wait(DEADLINE_S)
-                await until(pilot, lambda: not session.busy, "the broken answer to end")
-
-                assert reply.text.startswith(drawn), "what streamed before the failure stays"
-                errors = [m for m in session.view.query(Message) if m.has_class("msg-error")]
-                assert len(errors) == 1 and errors[0].text.startswith("error: ")
-                assert session.conv.history == []  # a broken answer is not built on
-                await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
-
-                server = start_server(tmp_path / "second.log", port=int(server.url.rsplit(":", 1)[1]))
-                await until(pilot, lambda: said(notes, "answers again"), "the server to be found again")
-                await pilot.press("up")
-                assert app.prompt.value == "a long story"
-                short(session)
-                await pilot.press("enter")
-                await until(pilot, lambda: session.conv.history, "the answer from the new server")
-                assert session.conv.history[0] == {"role": "user", "content": "a long story"}
-                assert "lost" not in app.sub_title
-
-        asyncio.run(run())
+        own.remote = RemoteEngine(own.server.url, API_KEY)
+        yield own
     finally:
-        if remote is not None:
-            remote.close()
-        stop_server(server)
+        if own.remote is not None:
+            own.remote.close()
+        stop_server(own.server)
+
+
+def kill_server(own) -> None:
+    own.server.process.kill()
+    own.server.process.wait(DEADLINE_S)
+
+
+def restart_server(own) -> None:
+    own.server = start_server(own.log, port=int(own.server.url.rsplit(":", 1)[1]))
+
+
+def test_chat_keeps_the_streamed_answer_when_the_server_dies_and_resends_once_it_is_back(tmp_path):
+    async def run(own):
+        app = ChatApp(own.remote)
+        notes = kept_notes(app)
+        async with app.run_test(size=(150, 45)) as pilot:
+            session = app.current
+            endless(session)
+            app.prompt.value = "a long story"
+            await pilot.press("enter")
+            reply = session.view.query(".msg-assistant").last()
+            await until(pilot, lambda: reply.text not in ("", "…"), "the answer to stream")
+            drawn = reply.text
+            kill_server(own)
+            await until(pilot, lambda: not session.busy, "the broken answer to end")
+
+            assert reply.text.startswith(drawn), "what streamed before the failure stays"
+            errors = [m for m in session.view.query(Message) if m.has_class("msg-error")]
+            assert len(errors) == 1 and errors[0].text.startswith("error: ")
+            assert session.conv.history == []  # a broken answer is not built on
+            await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
+
+            restart_server(own)
+            await until(pilot, lambda: said(notes, "answers again"), "the server to be found again")
+            await pilot.press("up")
+            assert app.prompt.value == "a long story"
+            short(session)
+            await pilot.press("enter")
+            await until(pilot, lambda: session.conv.history, "the answer from the new server")
+            assert session.conv.history[0] == {"role": "user", "content": "a long story"}
+            assert "lost" not in app.sub_title
+
+    with own_server(tmp_path) as own:
+        asyncio.run(run(own))
 
 
 def test_top_shows_a_stopped_engine_and_a_lost_server_then_recovers(tmp_path):
-    server = start_server(tmp_path / "first.log")
-    remote = None
-    try:
-        remote = RemoteEngine(server.url, API_KEY)
+    async def run(own):
+        app = TopApp(own.remote, None)
+        notes = kept_notes(app)
+        async with app.run_test(size=(150, 45)) as pilot:
+            stream = LongStream(own.server, "watched")
+            assert stream.started.wait(DEADLINE_S)
+            await until(pilot, lambda: app.table.row_count == 1, "the request's row")
+            assert app.sub_title.endswith("live")
 
-        async def run():
-            nonlocal server
-            app = TopApp(remote, None)
-            notes = kept_notes(app)
-            async with app.run_test(size=(150, 45)) as pilot:
-                stream = LongStream(server, "watched")
-                assert stream.started.wait(DEADLINE_S)
-                await until(pilot, lambda: app.table.row_count == 1, "the request's row")
-                assert app.sub_title.endswith("live")
+            os.kill(engine_pid(own.server), signal.SIGKILL)  # the server stays, its engine is gone
+            await until(pilot, lambda: "engine process exited" in app.sub_title, "the stopped engine in the title")
+            assert app.sub_title.endswith("NOT LIVE") and said(notes, "last known state")
+            stream.stop()
 
-                os.kill(engine_pid(server), signal.SIGKILL)  # the server stays, its engine is gone
-                await until(pilot, lambda: "engine process exited" in app.sub_title, "the stopped engine in the title")
-                assert app.sub_title.endswith("NOT LIVE") and said(notes, "last known state")
-                stream.stop()
+            kill_server(own)
+            await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
 
-                server.process.kill()
-                server.process.wait(DEADLINE_S)
-                await until(pilot, lambda: "lost the server" in app.sub_title, "the lost server in the title")
+            restart_server(own)
+            await until(pilot, lambda: app.sub_title.endswith("live") and "NOT" not in app.sub_title,
+                        "the new server's state")
+            await until(pilot, lambda: app.table.row_count == 0, "the old engine's request to go")
+            assert said(notes, "answers again")
 
-                server = start_server(tmp_path / "second.log", port=int(server.url.rsplit(":", 1)[1]))
-                await until(pilot, lambda: app.sub_title.endswith("live") and "NOT" not in app.sub_title,
-                            "the new server's state")
-                await until(pilot, lambda: app.table.row_count == 0, "the old engine's request to go")
-                assert said(notes, "answers again")
-
-        asyncio.run(run())
-    finally:
-        if remote is not None:
-            remote.close()
-        stop_server(server)
+    with own_server(tmp_path) as own:
+        asyncio.run(run(own))
 
 
 class NotZipage(BaseHTTPRequestHandler):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 
-from console_helpers import KNOBS, type_line, wait_for
+from console_helpers import KNOBS, help_text, type_line, wait_for
 from zipage.engine.service import EngineThread
 from zipage.cli.chat import REFRESH_S, ChatApp, Message
 from zipage.cli.widgets import BlockTable, EventLog, HelpScreen
@@ -219,14 +218,7 @@ def test_help_explains_the_panes_terms_and_names_keys_plainly(engine):
     async def run():
         app = ChatApp(engine)
         async with app.run_test(size=(120, 40)) as pilot:
-            await pilot.press("f1")
-            await pilot.pause()
-            assert isinstance(app.screen, HelpScreen)
-            from rich.console import Console
-
-            console = Console(record=True, width=100, file=open(os.devnull, "w"))
-            console.print(app.screen.query_one("#help-box Static").content)
-            shown = console.export_text()
+            shown = await help_text(app, pilot)
             for term in ("q-slots", "compressed target", "kv ", "TTFT"):
                 assert term in shown, term
             assert "question_mark" not in shown and "ctrl+pagedown, alt+right" not in shown
