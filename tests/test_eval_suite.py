@@ -86,6 +86,24 @@ def test_partial_results_are_written_as_cells_finish(tiny_path, tmp_path):
     assert {"depth 0%", "depth 100%", "single", "multi", "length 400"} <= set(written["rows"][1]["by_budget"]["1 blocks"])
 
 
+@pytest.mark.parametrize("budget_blocks", [None, 2])
+def test_progress_counts_every_token_and_ends_at_its_total(tiny_path, budget_blocks):
+    """The bars count tokens (forced ones too), so they end exactly at their total whatever chunked
+    prefill and compressions add in steps."""
+    source = resolve_model(tiny_path)
+    requests = [ec.Request(list(range(5, 90)), forced=[7, 8, 9], free_tokens=40), ec.Request([3, 4, 5], free_tokens=25)]
+    engine = ec.make_engine(source, 16, budget_blocks, 8, {"max_num_batched_tokens": 32}, "cpu")
+    counted = []
+    try:
+        outputs = ec.drive(engine, requests, on_step=counted.append)
+        compressions = engine.totals["compressions"]
+    finally:
+        engine.close()
+    assert [len(o) for o in outputs] == [43, 25]
+    assert sum(counted) == ec.tokens_of(requests) == 68
+    assert (compressions > 0) == (budget_blocks is not None)
+
+
 def test_exact_match_scoring():
     assert needle.exact_match(" 48213.", "48213")
     assert needle.exact_match("48213 and more", "48213")

@@ -169,7 +169,8 @@ def make_engine(source, block_size: int, budget_blocks: int | None, window: int,
 
 def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=None) -> list[list[int]]:
     """Run the requests to completion, greedy after their forced tokens; observer(i, seq, logits) sees
-    every sampled step of request i. Returns each request's output tokens."""
+    every sampled step of request i, and on_step(n) the tokens each step made. Returns each request's
+    output tokens."""
     index: dict[int, int] = {}
     for i, req in enumerate(requests):
         n = len(req.forced) + req.free_tokens
@@ -182,19 +183,21 @@ def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=No
     outputs: list[list[int]] = [[] for _ in requests]
     try:
         while engine.has_work():
+            made = engine.totals["generated_tokens"]
             for out in engine.step():
                 if out.finished:
                     outputs[index[out.id]] = list(out.token_ids)
             if on_step is not None:
-                on_step()
+                on_step(engine.totals["generated_tokens"] - made)
     finally:
         engine.runner.logits_observer = None
     return outputs
 
 
-def steps_of(requests: list[Request]) -> int:
-    """Engine steps a batch of requests takes: the progress bars' unit of work."""
-    return 1 + max((len(r.forced) + r.free_tokens for r in requests), default=0)
+def tokens_of(requests: list[Request]) -> int:
+    """Tokens a batch of requests makes, forced ones included: the progress bars' unit of work (steps
+    would only be estimated: chunked prefill and compressions add some)."""
+    return sum(len(r.forced) + r.free_tokens for r in requests)
 
 
 # -- the full-KV reference cache ---------------------------------------------------------------
@@ -257,11 +260,11 @@ class Progress:
             self.bars.stop()
 
     def task(self, description: str, total: int):
-        """A bar; returns the function that advances it by one unit."""
+        """A bar; returns the function that advances it by n units."""
         if self.bars is None:
-            return lambda: None
+            return lambda n: None
         task_id = self.bars.add_task(description, total=total)
-        return lambda: self.bars.advance(task_id)
+        return lambda n: self.bars.advance(task_id, n)
 
     def log(self, line: str) -> None:
         if self.bars is not None:
@@ -311,7 +314,7 @@ def evaluate(task: Task, source, model: str, configurations: list[str], budgets:
              progress: Progress, params: dict) -> dict:
     """Full KV (cached), then every configuration at every budget. The JSON file is rewritten as each
     cell finishes, so an interrupted run keeps what it measured."""
-    steps = sum(steps_of(g) for g in task.groups)
+    tokens = sum(tokens_of(g) for g in task.groups)
     results = {"task": task.name, "model": model, "metric": task.metric, "block_size": block_size,
                "window": window, "settings": settings, "budgets": [b.label for b in budgets],
                "params": params, "rows": []}
@@ -321,7 +324,7 @@ def evaluate(task: Task, source, model: str, configurations: list[str], budgets:
 
     def build_reference():
         cell = run_cell(task, source, None, block_size, window, {}, device,
-                        progress.task(f"{task.name}: full KV", steps))
+                        progress.task(f"{task.name}: full KV", tokens))
         return {"outputs": cell["outputs"], "observed": cell["observed"], "seconds": cell["seconds"]}
 
     key = {"model": model_identity(source), "block_size": block_size, "device": device,
@@ -338,7 +341,7 @@ def evaluate(task: Task, source, model: str, configurations: list[str], budgets:
         results["rows"].append(row)
         for budget in budgets:
             cell = run_cell(task, source, budget, block_size, window, overrides, device,
-                            progress.task(f"{task.name}: {name} @ {budget.label}", steps), reference)
+                            progress.task(f"{task.name}: {name} @ {budget.label}", tokens), reference)
             metrics = task.score(cell["outputs"], cell["observed"], reference)
             row["by_budget"][budget.label] = {**metrics, "compressions": cell["compressions"],
                                               "seconds": cell["seconds"]}
