@@ -6,6 +6,7 @@ of each request; the engine thread owns the EngineCore and is the only thread to
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -62,13 +63,25 @@ class RequestHandle:
         if self._done.is_set():
             return  # the first end is the one reported (an error is never overwritten by an abort)
         if self._on_output is not None:
-            self._on_output(out)
+            out = self._call_hook(out)
         if out.delta:
             self._deltas.put(out.delta)
         if out.finished:
             self.output = out
             self._deltas.put(_END)
             self._done.set()
+
+    def _call_hook(self, out: RequestOutput) -> RequestOutput:
+        """Run the caller's on_output hook. If it raises, this request ends with the error (the engine
+        thread frees it, see EngineThread._deliver) and the hook is not called again: one caller's
+        broken hook must not stop the engine for everyone."""
+        try:
+            self._on_output(out)
+            return out
+        except Exception as e:
+            self._on_output = None
+            return dataclasses.replace(out, finished=True, finish_reason="error",
+                                       error=f"on_output hook raised {e!r}")
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the request to end and return its final output."""
@@ -171,7 +184,8 @@ class EngineThread:
 
         `on_output`, if given, is called on the engine thread with every RequestOutput of this request
         (one per generated token, then the final one): a hook for callers that are not threads, such as
-        an event loop. It must return quickly and never raise."""
+        an event loop. It must return quickly; if it raises, this request ends with finish_reason "error"
+        (the others keep running)."""
         self._check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -189,8 +203,13 @@ class EngineThread:
         return self.engine.check_prompt(self.engine.prompts.read(prompt))
 
     def abort(self, handle: RequestHandle | int) -> None:
+        """Stop a request. Unknown or finished ids are ignored, and so is an abort once the engine is
+        closed or failed: every request has ended then, and clean-up code calls this freely."""
         request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)
-        self._post("abort", request_id, None)
+        try:
+            self._post("abort", request_id, None)
+        except EngineClosed:
+            pass
 
     def snapshot(self, fresh: bool = False) -> EngineSnapshot:
         """The latest published snapshot; `fresh=True` waits for one taken now."""
@@ -259,7 +278,10 @@ class EngineThread:
         it still holds, so this never waits on a stopped engine."""
         reply: queue.Queue = queue.Queue()
         self._post(kind, payload, reply)
-        ok, value = reply.get(timeout=timeout) if timeout is not None else reply.get()
+        try:
+            ok, value = reply.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the engine did not answer {kind!r} within {timeout} s") from None
         if ok is None:
             raise value
         return (ok, value) if kind == "submit" else value
@@ -325,26 +347,36 @@ class EngineThread:
                 kind, payload, reply = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                ids, params, session, on_output = payload
-                try:
-                    seq = self.engine.add_request(ids, params, session=session, stream=True)
-                except ValueError as e:
-                    reply.put((False, e))
-                    continue
-                handle = RequestHandle(seq.id, session, seq.num_prompt_tokens, on_output)
-                self._handles[seq.id] = handle
-                reply.put((True, handle))
-            elif kind == "abort":
-                out = self.engine.abort(payload)
-                if out is not None:
-                    self._deliver([out])
-            elif kind == "snapshot":
-                reply.put((True, self._publish(force=True)))
-            elif kind == "step":  # one whole step by hand (teaching mode): its tokens are read before the reply
-                if self.engine.has_work():
-                    self._deliver(self.engine.step() + self.engine.finish_inflight())
-                reply.put((True, self._publish(force=True)))
+            try:
+                self._handle_message(kind, payload, reply)
+            except BaseException as e:
+                # The loop is about to fail; this message has left the inbox, so _close_inbox will not
+                # answer it: answer it here, or its caller would wait forever.
+                if reply is not None:
+                    reply.put((None, EngineClosed(f"the engine thread failed: {e!r}")))
+                raise
+
+    def _handle_message(self, kind: str, payload, reply) -> None:
+        if kind == "submit":
+            ids, params, session, on_output = payload
+            try:
+                seq = self.engine.add_request(ids, params, session=session, stream=True)
+            except ValueError as e:
+                reply.put((False, e))
+                return
+            handle = RequestHandle(seq.id, session, seq.num_prompt_tokens, on_output)
+            self._handles[seq.id] = handle
+            reply.put((True, handle))
+        elif kind == "abort":
+            out = self.engine.abort(payload)
+            if out is not None:
+                self._deliver([out])
+        elif kind == "snapshot":
+            reply.put((True, self._publish(force=True)))
+        elif kind == "step":  # one whole step by hand (teaching mode): its tokens are read before the reply
+            if self.engine.has_work():
+                self._deliver(self.engine.step() + self.engine.finish_inflight())
+            reply.put((True, self._publish(force=True)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -352,8 +384,10 @@ class EngineThread:
             if handle is None:
                 continue
             handle._push(out)
-            if out.finished:
+            if handle.done:
                 del self._handles[out.id]
+                if not out.finished:  # its own on_output hook failed: free the request (nobody reads it)
+                    self.engine.abort(out.id)
 
     def _publish(self, force: bool) -> EngineSnapshot:
         now = time.monotonic()

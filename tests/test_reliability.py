@@ -90,6 +90,102 @@ def test_a_failed_engine_thread_ends_requests_with_the_error_and_refuses_more(ti
         svc.close()
 
 
+def bounded_call(fn):
+    """fn() in a helper thread: its result, or the exception it raised; fails (not hangs) if it never returns."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG)
+    assert not t.is_alive(), "the call never returned"
+    return result
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it fails loudly
+@pytest.mark.parametrize("call", ["step_once", "submit"])
+def test_the_message_a_failing_engine_was_handling_is_answered(tiny_path, call):
+    """The engine fails while handling a caller's message: that caller gets the cause, not a wait."""
+    svc = make_service(tiny_path)
+    try:
+        svc.pause()
+        if call == "step_once":
+            svc.submit(random_prompts(1, [8], seed=1)[0], greedy(5, ignore_eos=True))
+
+            def broken_step():
+                raise RuntimeError("injected step failure")
+
+            svc.engine.step = broken_step
+            got = bounded_call(lambda: svc.step_once(timeout=HANG))
+        else:
+            def broken_add_request(*args, **kwargs):
+                raise RuntimeError("injected step failure")
+
+            svc.engine.add_request = broken_add_request
+            got = bounded_call(lambda: svc.submit("hello", greedy(2)))
+        assert isinstance(got.get("error"), EngineClosed), got
+        assert "injected step failure" in str(got["error"])
+    finally:
+        svc.close()
+
+
+def test_a_raising_on_output_hook_ends_only_its_own_request(tiny_path):
+    svc = make_service(tiny_path)
+    try:
+        svc.pause()  # all three are queued before the first token
+        calls = []
+
+        def broken_hook(out):
+            calls.append(out)
+            raise RuntimeError("hook bug")
+
+        before = svc.submit(random_prompts(1, [8], seed=1)[0], greedy(12, ignore_eos=True))
+        broken = svc.submit(random_prompts(1, [8], seed=2)[0], greedy(12, ignore_eos=True), on_output=broken_hook)
+        after = svc.submit(random_prompts(1, [8], seed=3)[0], greedy(12, ignore_eos=True))
+        svc.resume()
+        for handle in (before, broken, after):
+            drain(handle)
+        assert broken.result(0).finish_reason == "error" and "hook bug" in broken.result(0).error
+        assert len(calls) == 1  # a broken hook is not called again
+        assert before.result(0).finish_reason == after.result(0).finish_reason == "length"
+        assert svc.alive
+        assert svc.snapshot(fresh=True).pool.used == 0  # the broken request's blocks were freed
+        assert len(drain(svc.submit("more", greedy(3, ignore_eos=True)))) > 0
+    finally:
+        svc.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it fails loudly
+def test_abort_after_close_or_failure_is_a_no_op(tiny_path):
+    closed = make_service(tiny_path)
+    handle = closed.submit("hello", greedy(3))
+    closed.close()
+    closed.abort(handle)
+    closed.abort(handle.id)
+
+    failed = make_service(tiny_path)
+    try:
+        failed.pause()
+        handle = failed.submit("hello", greedy(3))
+
+        def broken_step():
+            raise RuntimeError("injected step failure")
+
+        failed.engine.step = broken_step
+        failed.resume()
+        assert handle.result(timeout=HANG).finish_reason == "error"
+        failed._thread.join(HANG)
+        assert not failed.alive
+        failed.abort(handle)  # clean-up code aborts freely; the request has ended already
+    finally:
+        failed.close()
+
+
 def test_interpreter_exit_with_a_busy_engine_thread_is_clean(tiny_path):
     script = textwrap.dedent(f"""
         from zipage import EngineThread, SamplingParams
