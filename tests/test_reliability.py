@@ -360,3 +360,24 @@ def test_tiny_top_p_keeps_the_most_likely_token(llm):
     want = llm.generate(ids, greedy(5, ignore_eos=True))[0].token_ids
     out = llm.generate(ids, SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=5, ignore_eos=True))[0]
     assert out.token_ids == want
+
+
+def test_step_once_that_outlasts_its_timeout_raises_timeout_error(tiny_path):
+    svc = make_service(tiny_path)
+    try:
+        svc.pause()
+        svc.submit(random_prompts(1, [8], seed=1)[0], greedy(3, ignore_eos=True))
+        gate, real_step = threading.Event(), svc.engine.step
+
+        def held_step():  # the step cannot end before the caller gave up
+            gate.wait(HANG)
+            return real_step()
+
+        svc.engine.step = held_step
+        with pytest.raises(TimeoutError, match="step"):
+            svc.step_once(timeout=0.05)
+        gate.set()
+        assert svc.step_once(timeout=HANG) is not None  # the engine goes on serving
+    finally:
+        gate.set()
+        svc.close()
