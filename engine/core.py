@@ -54,10 +54,10 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-
 class PromptTooLong(ValueError):
     """A prompt that cannot run here: it leaves no room for a generated token within max_model_len or
     the whole KV pool. (OpenAI's API calls this context_length_exceeded.)"""
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None):

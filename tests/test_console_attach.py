@@ -48,9 +48,13 @@ async def until(pilot, condition, what: str):
         await pilot.pause(0.1)
 
 
-def endless(session) -> None:
-    """This session's answers run until stopped (or until their server goes)."""
+async def ask_endlessly(app, pilot, text: str):
+    """Send `text` from the current session, with an answer that runs until stopped: the session."""
+    session = app.current
     session.conv.params = lambda: SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True)
+    app.prompt.value = text
+    await pilot.press("enter")
+    return session
 
 
 def short(session) -> None:
@@ -191,10 +195,7 @@ def test_chat_keeps_a_refused_message_in_the_box(server, remote):
         app = ChatApp(remote)
         notes = kept_notes(app)
         async with app.run_test(size=(150, 45)) as pilot:
-            session = app.current
-            endless(session)
-            app.prompt.value = "first"
-            await pilot.press("enter")
+            session = await ask_endlessly(app, pilot, "first")
             await until(pilot, lambda: session.handle is not None, "the answer to start")
             app.prompt.value = "second"
             await pilot.press("enter")  # refused: the session is still answering
@@ -240,10 +241,7 @@ def test_chat_keeps_the_streamed_answer_when_the_server_dies_and_resends_once_it
         app = ChatApp(own.remote)
         notes = kept_notes(app)
         async with app.run_test(size=(150, 45)) as pilot:
-            session = app.current
-            endless(session)
-            app.prompt.value = "a long story"
-            await pilot.press("enter")
+            session = await ask_endlessly(app, pilot, "a long story")
             reply = session.view.query(".msg-assistant").last()
             await until(pilot, lambda: reply.text not in ("", "…"), "the answer to stream")
             drawn = reply.text

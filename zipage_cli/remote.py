@@ -272,21 +272,23 @@ class RemoteEngine:
         self.close()
 
 
-def _error_message(response: httpx.Response) -> str:
-    """The message of an OpenAI-shaped error body, else the body itself."""
+def _error_fields(response: httpx.Response) -> tuple[str, str | None]:
+    """The message and code of an OpenAI-shaped error body, else the body itself and no code."""
     try:
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return response.text
+        error = response.json()["error"]
+        return error["message"], error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text, None
+
+
+def _error_message(response: httpx.Response) -> str:
+    return _error_fields(response)[0]
 
 
 def _refusal(response: httpx.Response) -> ValueError:
     """A refused request as the local engine would have raised it."""
-    try:
-        too_long = response.json()["error"]["code"] == CONTEXT_LENGTH_EXCEEDED
-    except (ValueError, KeyError, TypeError):
-        too_long = False
-    return (PromptTooLong if too_long else ValueError)(_error_message(response))
+    message, code = _error_fields(response)
+    return (PromptTooLong if code == CONTEXT_LENGTH_EXCEEDED else ValueError)(message)
 
 
 def _describe(e: Exception) -> str:
