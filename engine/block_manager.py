@@ -98,11 +98,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def blocks_to_allocate(self, seq: Sequence) -> int:
+        """Free blocks admitting `seq` takes: new ones, and cached prefix blocks no one holds."""
         hits = self._prefix_hits(seq)
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        new = self.blocks_for(seq.num_tokens) - len(hits)
-        return new + reused_free <= self.num_free
+        return self.blocks_for(seq.num_tokens) - len(hits) + reused_free
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_to_allocate(seq) <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""

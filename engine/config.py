@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 
 EVICTION_POLICIES = ("score", "random", "recent")
+BUDGET_POLICIES = ("fixed", "elastic")  # docs/design-notes.md, "Budgets"
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
 
@@ -42,7 +43,11 @@ class EngineConfig:
     # Compressed PagedAttention
     compression: bool = True  # False: the full-KV baseline on the same engine
     block_size: int | None = None  # None: 256 on GPU, 32 on CPU
-    max_cache_blocks_per_seq: int = 8  # budget n; a request holds at most n + 1 blocks
+    max_cache_blocks_per_seq: int = 8  # budget n of a request that names none (SamplingParams.kv_budget)
+    # "fixed": a request is compressed whenever it reaches its budget and never holds more than n + 1
+    # blocks. "elastic": the budget is a floor; requests keep their full KV while the pool has room, and
+    # the largest above their floor are compressed down to it when the pool is short.
+    budget_policy: str = "fixed"
     window: int = 16  # observation window w (< block_size)
     use_global_score: bool = True
     global_decay: float = 0.8
@@ -123,6 +128,8 @@ class EngineConfig:
                 _fail("window", self.window, f"must be smaller than block_size ({self.block_size})")
         if self.pooling_kernel % 2 == 0:
             _fail("pooling_kernel", self.pooling_kernel, "must be odd so pooling stays centred")
+        if self.budget_policy not in BUDGET_POLICIES:
+            _fail("budget_policy", self.budget_policy, f"must be one of {', '.join(BUDGET_POLICIES)}")
         if self.eviction not in EVICTION_POLICIES:
             _fail("eviction", self.eviction, f"must be one of {', '.join(EVICTION_POLICIES)}")
         sinks = self.num_sink_tokens
@@ -195,6 +202,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_strings_in_output: bool = False  # keep the matched stop string in the text
+    kv_budget: int | None = None  # KV budget in blocks (the floor under elastic budgets); None: the engine's
 
     def __post_init__(self) -> None:
         self.validate()
@@ -221,6 +229,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 64):
             _fail("seed", self.seed, "must be None or an integer in [0, 2**64)")
+        if self.kv_budget is not None and (isinstance(self.kv_budget, bool) or not isinstance(self.kv_budget, int)
+                                           or self.kv_budget < 1):
+            _fail("kv_budget", self.kv_budget, "must be None or an integer number of blocks >= 1")
         self.stop = _as_list("stop", self.stop, str)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         for name in ("ignore_eos", "skip_special_tokens", "stop_strings_in_output"):

@@ -119,7 +119,7 @@ class EngineCore:
         self.num_added = 0  # requests ever added: each one's sampling stream is derived from its index
         self.event_count = 0  # events ever logged (the log itself is bounded)
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "preemptions": 0,
-                       "prefix_hit_tokens": 0, "compressions": 0}
+                       "prefix_hit_tokens": 0, "compressions": 0, "pool_compressions": 0}
 
     # -- requests ------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
@@ -136,6 +136,18 @@ class EngineCore:
                              f"{self.blocks.num_blocks * self.block_size}")
         return ids
 
+    def check_budget(self, kv_budget: int | None) -> None:
+        """ValueError unless a request's own KV budget can run here: compression on, and its n + 1 blocks
+        within the pool."""
+        if kv_budget is None:
+            return
+        if self.geometry is None:
+            raise ValueError(f"kv_budget={kv_budget}: this engine keeps every request's full KV (compression is off)")
+        if kv_budget + 1 > self.blocks.num_blocks:
+            raise ValueError(f"kv_budget={kv_budget}: a request may hold kv_budget + 1 blocks, and the KV pool "
+                             f"has {self.blocks.num_blocks}")
+        self.geometry.check_budget(kv_budget)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.prompts.chat(messages)
 
@@ -150,6 +162,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self.check_budget(params.kv_budget)
         ids = self.check_prompt(self.encode_prompt(prompt))
         seq = Sequence(ids, params, session=session, stream_seed=_stream_seed(self.config.seed, self.num_added))
         self.num_added += 1
@@ -370,11 +383,13 @@ class EngineCore:
             return [self._finish(seq, "error", error=f"compression failed: {type(job.error).__name__}: {job.error}")]
         self.compressor.apply(job)
         self.totals["compressions"] += 1
+        self.totals["pool_compressions"] += job.reason == "pool"
         self.latency.count("compressions")
         self._log(Compressed(request=seq.id, time=time.time(), blocks_before=len(job.source_table),
                              blocks_after=len(seq.block_table), tokens_before=job.kv_len, tokens_after=seq.kv_len,
                              evicted_per_layer=job.kv_len - seq.kv_len, prompt_kept=job.kept[0],
-                             recent_kept=job.kept[1], times=seq.times_compressed, seconds=round(job.duration, 5)))
+                             recent_kept=job.kept[1], times=seq.times_compressed, seconds=round(job.duration, 5),
+                             reason=job.reason, budget_blocks=job.keep // self.block_size))
         return []
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput | None:
@@ -446,7 +461,7 @@ class EngineCore:
     # -- observation -------------------------------------------------------------------
     def block_roles(self, seq: Sequence) -> tuple[str, ...]:
         roles = []
-        targets = self.config.max_cache_blocks_per_seq if seq.is_compressed else 0
+        targets = self.geometry.budget_of(seq) if seq.is_compressed else 0
         reused = 0 if seq.is_compressed else seq.num_cached_prefix_tokens // self.block_size
         for i, block_id in enumerate(seq.block_table):
             if self.blocks.blocks[block_id].ref_count > 1:
@@ -455,7 +470,7 @@ class EngineCore:
                 roles.append(ROLE_REUSED)
             elif i < targets:
                 roles.append(ROLE_TARGET)
-            elif seq.is_compressed:
+            elif seq.is_compressed and i == targets:
                 roles.append(ROLE_DECODE)
             else:
                 roles.append(ROLE_PRIVATE)
@@ -472,6 +487,8 @@ class EngineCore:
                 output_tokens=seq.num_output_tokens, kv_len=seq.kv_len, block_table=tuple(seq.block_table),
                 block_roles=roles, blocks_shared=roles.count(ROLE_SHARED),
                 times_compressed=seq.times_compressed, query_slot=seq.query_slot,
+                kv_budget=self.geometry.budget_of(seq) if self.geometry is not None else None,
+                compressed_for=seq.compressed_for,
                 tokens_per_s=seq.num_output_tokens / elapsed if elapsed > 0 else 0.0))
         cached_blocks = tuple(self.blocks.cached_free_ids())
         pool = PoolInfo(total=self.blocks.num_blocks, free=self.blocks.num_free, used=self.blocks.num_used,
@@ -500,9 +517,9 @@ class EngineCore:
         live = self.scheduler.live()
         self.blocks.check_invariants(live)
         if self.compressor is not None:
-            n_max = self.config.max_blocks_per_seq_compressed
-            for seq in live:
-                if seq.is_compressed:
+            for seq in live:  # a fixed budget bounds a request at n + 1 blocks once compressed
+                n_max = self.geometry.max_blocks_of(seq)
+                if seq.is_compressed and not self.geometry.elastic:
                     assert len(seq.block_table) <= n_max, f"request {seq.id} holds {len(seq.block_table)} blocks"
             slots = [s.query_slot for s in live if s.query_slot is not None]
             assert len(slots) == len(set(slots)), "a query slot is held twice"

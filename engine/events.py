@@ -62,6 +62,8 @@ class Compressed(Event):
     recent_kept: int  # of the kept entries, how many were kept for being the newest
     times: int  # the request's compressions so far, this one included
     seconds: float
+    reason: str = "budget"  # "budget": it reached its budget; "pool": the pool was short (elastic budgets)
+    budget_blocks: int = 0  # the budget it was compressed to, in blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,8 @@ class RequestInfo:
     times_compressed: int
     query_slot: int | None
     tokens_per_s: float
+    kv_budget: int | None = None  # its budget in blocks (the floor under elastic budgets); None: full KV
+    compressed_for: str | None = None  # why its last compression ran: "budget" or "pool"
 
 
 @dataclass(frozen=True)

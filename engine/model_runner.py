@@ -259,7 +259,7 @@ class ModelRunner:
                 positions += range(start, start + n)
                 slots += [table[j // bs] * bs + j % bs for j in range(kv, kv + n)]
             if self.compression:
-                rows = [self.geometry.window_row(seq, j) for j in range(kv, kv + n)]
+                rows = self.geometry.window_rows(seq, kv, n)
                 any_query = any_query or any(r >= 0 for r in rows)
                 query_rows += rows
             context_lens.append(kv + n)

@@ -96,6 +96,7 @@ class Scheduler:
         if not self.free_slots:
             return False
         seq.query_slot = self.free_slots.pop(0)
+        seq.window_from = seq.kv_len  # its queries are kept from its next entry on
         return True
 
     def _release_slot(self, seq: Sequence) -> None:
@@ -109,9 +110,7 @@ class Scheduler:
             return False
         if not self.config.hybrid_scheduling:
             return True  # without hybrid scheduling every running request holds a slot
-        # A prefill that computes window positions (a prompt longer than the budget, or a recompute
-        # that reaches the trigger's window) must write their queries.
-        return self.geometry.prefill_end(seq) > self.geometry.window_start(seq)
+        return self.geometry.needs_slot_at_admission(seq)
 
     def _admissible(self, seq: Sequence) -> bool:
         """Whether the head of the waiting queue can be admitted now: a running place, blocks for
@@ -122,6 +121,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         self.waiting.popleft()
         self.blocks.allocate(seq)
+        seq.window_from = seq.kv_len  # a slot taken before allocation records from the first computed entry
         seq.start(prefill_end=self.geometry.prefill_end(seq) if self.geometry is not None else seq.num_tokens)
         self.running.append(seq)
 
@@ -144,6 +144,8 @@ class Scheduler:
         fresh blocks might preempt, and a preempted request must see all its tokens)."""
         if self.waiting and self._admissible(self.waiting[0]):
             return False
+        if self._elastic and self._blocks_short(self._decoders()) > 0:
+            return False  # compressions for the pool are planned with every token read
         needed, decoding = 0, 0
         for seq in self.running:
             if seq.status is Status.COMPRESSING:
@@ -154,7 +156,7 @@ class Scheduler:
                 if self.compressor.fresh_blocks_needed(seq) > 0:
                     return False
                 continue  # planned from lengths alone; past the per-step cap it waits a step
-            if self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
+            if self.geometry is not None and self.geometry.waits_for_slot(seq):
                 return False
             needed += self.blocks.needs_new_block(seq)
             decoding += 1
@@ -174,8 +176,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
             seq = self.waiting[0]
-            if self._needs_slot_at_admission(seq):
-                self._take_slot(seq)
+            if self._needs_slot_at_admission(seq) or (self.geometry is not None and self.geometry.elastic):
+                self._take_slot(seq)  # elastic budgets: a free slot records the prompt's last queries
             self._admit(seq)
             n = min(seq.prefill_end - seq.num_computed_tokens, budget)
             seqs.append(seq)
@@ -186,13 +188,52 @@ class Scheduler:
             return None
         return ScheduledBatch(True, seqs, counts, admitted=admitted)
 
+    # -- elastic budgets: compress for the pool, not for the budget ---------------------------
+    @property
+    def _elastic(self) -> bool:
+        return self.geometry is not None and self.geometry.elastic
+
+    def _decoders(self) -> list[Sequence]:
+        return [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
+
+    def _blocks_short(self, decoders: list[Sequence]) -> int:
+        """How many blocks the pool lacks for this step's decode appends and the admission of the head
+        of the waiting queue, counting those that compressions in flight will return."""
+        demand = sum(1 for s in decoders if self.blocks.needs_new_block(s))
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            demand += self.blocks.blocks_to_allocate(self.waiting[0])
+        incoming = sum(s.releasing for s in self.running if s.status is Status.COMPRESSING)
+        return demand - self.blocks.num_free - incoming
+
+    def _compress_for_pool(self, plan: "DecodePlan") -> None:
+        """When the pool is short, compress the requests furthest above their floor, largest first, down
+        to it (docs/design-notes.md, "Budgets"). Only those that need no fresh block: under pressure
+        nothing is preempted to make room for a compression."""
+        short = self._blocks_short(plan.queue)
+        if short <= 0:
+            return
+        excess = lambda s: s.kv_len - self.geometry.budget_tokens_of(s)  # noqa: E731
+        for seq in sorted((s for s in plan.queue if self.geometry.can_compress_now(s)), key=excess, reverse=True):
+            if short <= 0 or len(plan.compress) >= self.config.max_compressions_per_step:
+                return
+            if self.compressor.fresh_blocks_needed(seq) > 0:
+                continue
+            gain = self.compressor.blocks_freed(seq) + self.blocks.needs_new_block(seq)
+            if gain == 0:
+                continue
+            plan.queue.remove(seq)
+            plan.compress.append(self.compressor.plan(seq, reason="pool"))
+            short -= gain
+
     def _schedule_decode(self) -> ScheduledBatch | None:
-        plan = DecodePlan([s for s in self.running if s.status is Status.RUNNING and not s.in_prefill])
+        plan = DecodePlan(self._decoders())
+        if self._elastic:
+            self._compress_for_pool(plan)
         while plan.queue:
             seq = plan.queue.pop(0)
             if self.geometry is not None and self.geometry.needs_compression(seq):
                 self._plan_compression(seq, plan)
-            elif self.geometry is not None and seq.kv_len >= self.geometry.window_start(seq) and seq.query_slot is None:
+            elif self.geometry is not None and self.geometry.waits_for_slot(seq):
                 continue  # its next query belongs to the window: it waits for a slot
             else:
                 self._plan_decode(seq, plan)
@@ -219,6 +260,8 @@ class Scheduler:
         """Give `seq` room for its next token, preempting from the back of the queue when the pool is
         empty; it decodes this step unless it had to wait or was preempted itself."""
         while not self.blocks.append_block(seq):
+            if self._elastic and any(s.releasing for s in self.running if s.status is Status.COMPRESSING):
+                return  # a compression in flight returns blocks when it lands: wait for them, preempt no one
             victim = self._pick_victim(exclude=seq)
             if victim is None and self.blocks.blocks_for(seq.kv_len + 1) > self.blocks.num_blocks:
                 plan.exhausted.append(seq)  # not even the whole pool would hold it: recompute can't help

@@ -52,7 +52,11 @@ class Sequence:
         self.prefill_end = 0  # tokens the current prefill computes (set at admission)
 
         # Compression state
+        self.kv_budget: int | None = params.kv_budget  # blocks; None: the engine's (CompressionGeometry.budget_of)
         self.times_compressed = 0
+        self.window_from = 0  # first KV index whose query its slot recorded (elastic budgets)
+        self.releasing = 0  # blocks its compression in flight returns to the pool when it lands
+        self.compressed_for: str | None = None  # why its last compression ran: "budget" or "pool"
         self.query_slot: int | None = None
         self.pending_blocks: list[int] = []  # fresh blocks reserved by a compression in flight
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
@@ -113,6 +117,8 @@ class Sequence:
         self.kv_len = 0
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
+        self.window_from = 0
+        self.releasing = 0
 
     def start(self, prefill_end: int) -> None:
         """Admitted: it runs, and its prefill computes tokens up to `prefill_end`."""
@@ -129,16 +135,22 @@ class Sequence:
         self.status = Status.WAITING
         self.num_preemptions += 1
 
-    def start_compression(self, reserved: list[int]) -> None:
-        """A compression is planned: it holds `reserved` fresh blocks and skips decode until it lands."""
+    def start_compression(self, reserved: list[int], releasing: int, reason: str) -> None:
+        """A compression is planned: it holds `reserved` fresh blocks, returns `releasing` when it lands,
+        and skips decode until then. `reason`: "budget" (it reached its budget) or "pool" (the pool
+        was short, elastic budgets)."""
         self.pending_blocks = reserved
+        self.releasing = releasing
+        self.compressed_for = reason
         self.status = Status.COMPRESSING
 
     def land_compression(self, table: list[int], kept: int) -> None:
         """The compaction is done: `kept` entries in `table`, each carrying a score."""
         self.block_table = table
         self.pending_blocks = []
+        self.releasing = 0
         self.kv_len = kept
+        self.window_from = kept  # the ring holds no query of the compacted entries' new places
         self.num_scored = kept
         self.times_compressed += 1
         self.status = Status.RUNNING

@@ -237,7 +237,7 @@ def test_last_window_entries_are_always_kept(model_path, async_compress, evictio
     n, bs = 2, engine.block_size
     # The recent share applies to score eviction only: 0.625 of 2 blocks of 16 is 20 entries.
     w = 20 if (eviction, share) == ("score", 0.625) else 8
-    assert engine.compressor.recent == w
+    assert engine.compressor.protected(0, True)[1] == w
     keep = n * bs
     checked = set()
 
@@ -673,7 +673,7 @@ def test_scoring_pipeline_follows_the_design(model_path, monkeypatch, lightning)
     spy = ExecuteSpy(engine)
     bs, w, keep, layers = 16, 4, 32, engine.runner.num_layers
     recent = int(0.75 * keep)  # the default recent share of the 32-entry budget
-    assert engine.compressor.recent == recent
+    assert engine.compressor.protected(0, True)[1] == recent
     prompts = random_prompts(2, [10, 60], seed=71)
     for p in prompts:
         engine.add_request(p, greedy(45))
