@@ -801,6 +801,72 @@ def check_overlapped_decode(report: Report, s: Sizes) -> None:
         report.checks[-1]["passed"] = False
 
 
+def check_budgets(report: Report, s: Sizes) -> None:
+    """Per-request budgets and elastic budgets on the device (tiny Qwen3, fp32, block 16, window 8):
+    a batch of mixed budgets with CUDA graphs (one compression graph per budget class, captured while
+    serving) against the same batch run eagerly; elastic budgets with a pool that holds everything
+    against full KV; and elastic budgets in a pool too small for full KV, which must compress instead of
+    preempting, with the pool invariants checked after every step."""
+    from zipage.engine import LLM, SamplingParams
+
+    device = s.device
+    new_tokens = 150 if device == "cuda" else 40
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (9, 30, 70, 100, 12, 45)]
+    budgets = [1, 2, None, 6, 2, 1]
+
+    def serve(folder, params, check=False, **knobs):
+        cfg = dict(device=device, dtype="float32", block_size=16, window=8, max_cache_blocks_per_seq=4)
+        cfg.update(knobs)
+        llm = LLM(str(folder), **cfg)
+        try:
+            engine = llm.engine
+            seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            done = {}
+            while engine.has_work():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.id] = out
+                if check:
+                    engine.check_invariants()
+            graphs = sorted(k[0] // 16 for k in engine.compressor.graphs) if engine.compressor else []
+            return [done[q.id].token_ids for q in seqs], dict(engine.totals), graphs
+        finally:
+            llm.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=5)
+        mixed = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, kv_budget=b) for b in budgets]
+        graphed, totals, graphs = serve(folder, mixed, num_kv_blocks=256)
+        eager, eager_totals, _ = serve(folder, mixed, num_kv_blocks=256, enforce_eager=True)
+        same = sum(a == b for a, b in zip(graphed, eager))
+        report.check("mixed budgets: CUDA graphs vs eager", float(len(prompts) - same), 0,
+                     f"{same}/{len(prompts)} identical; compressions {totals['compressions']} vs "
+                     f"{eager_totals['compressions']}; graph budget classes {sorted(set(graphs))}", exact=True)
+        if totals["compressions"] == 0 or len(set(graphs)) < 3:
+            report.checks[-1]["passed"] = False
+
+        plain = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, kv_budget=b) for b in budgets]
+        elastic, e_totals, _ = serve(folder, plain, num_kv_blocks=256, budget_policy="elastic")
+        full, _, _ = serve(folder, [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)] * len(prompts),
+                           num_kv_blocks=256, compression=False)
+        same = sum(a == b for a, b in zip(elastic, full))
+        report.check("elastic, pool with room: same tokens as full KV", float(len(prompts) - same), 0,
+                     f"{same}/{len(prompts)} identical; compressions {e_totals['compressions']}", exact=True)
+        if e_totals["compressions"]:
+            report.checks[-1]["passed"] = False
+
+        tight = -(-(100 + new_tokens) // 16) + 8  # the longest request in full plus a little
+        short, t_totals, _ = serve(folder, plain, check=True, num_kv_blocks=tight, budget_policy="elastic")
+        whole = all(len(t) == new_tokens for t in short)
+        report.check("elastic, short pool: compress, never preempt", float(t_totals["preemptions"]), 0,
+                     f"pool {tight} blocks; pool compressions {t_totals['pool_compressions']}; "
+                     f"preemptions {t_totals['preemptions']}; every request full length {whole}", exact=True)
+        if not whole or t_totals["pool_compressions"] == 0:
+            report.checks[-1]["passed"] = False
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Timings
 
@@ -907,7 +973,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,timing")
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
@@ -951,6 +1017,7 @@ def main(argv=None) -> int:
         ("parity", "engine parity (greedy, fp32) vs transformers", lambda: check_engine_parity(report, s)),
         ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
         ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
+        ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

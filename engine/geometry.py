@@ -116,9 +116,11 @@ class CompressionGeometry:
 
     # -- query slots (hybrid scheduling) ------------------------------------------------
     def needs_slot_at_admission(self, seq) -> bool:
-        """A fixed-budget prefill that computes window positions (a prompt longer than the budget, or a
-        recompute that reaches the trigger's window) must write their queries."""
-        return not self.elastic and self.prefill_end(seq) > self.window_start(seq)
+        """Under elastic budgets every running request holds a slot, so any of them can be compressed
+        when the pool runs short (one that could not would have to be preempted). Under a fixed budget,
+        only a prefill that computes window positions (a prompt longer than the budget, or a recompute
+        that reaches the trigger's window) must, to write their queries."""
+        return self.elastic or self.prefill_end(seq) > self.window_start(seq)
 
     def waits_for_slot(self, seq) -> bool:
         """A fixed-budget request whose next query belongs to the window waits for a slot to decode."""

@@ -115,7 +115,11 @@ class Scheduler:
     def _admissible(self, seq: Sequence) -> bool:
         """Whether the head of the waiting queue can be admitted now: a running place, blocks for
         its prompt, and a query slot if its prefill needs one."""
-        return (len(self.running) < self.config.max_num_seqs and self.blocks.can_allocate(seq)
+        return self._has_place(seq) and self.blocks.can_allocate(seq)
+
+    def _has_place(self, seq: Sequence) -> bool:
+        """A running place and, if its prefill needs one, a query slot: all admission needs but blocks."""
+        return (len(self.running) < self.config.max_num_seqs
                 and (not self._needs_slot_at_admission(seq) or seq.query_slot is not None or bool(self.free_slots)))
 
     def _admit(self, seq: Sequence) -> None:
@@ -176,8 +180,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
             seq = self.waiting[0]
-            if self._needs_slot_at_admission(seq) or (self.geometry is not None and self.geometry.elastic):
-                self._take_slot(seq)  # elastic budgets: a free slot records the prompt's last queries
+            if self._needs_slot_at_admission(seq):
+                self._take_slot(seq)
             self._admit(seq)
             n = min(seq.prefill_end - seq.num_computed_tokens, budget)
             seqs.append(seq)
@@ -200,7 +204,7 @@ class Scheduler:
         """How many blocks the pool lacks for this step's decode appends and the admission of the head
         of the waiting queue, counting those that compressions in flight will return."""
         demand = sum(1 for s in decoders if self.blocks.needs_new_block(s))
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self.waiting and self._has_place(self.waiting[0]):
             demand += self.blocks.blocks_to_allocate(self.waiting[0])
         incoming = sum(s.releasing for s in self.running if s.status is Status.COMPRESSING)
         return demand - self.blocks.num_free - incoming

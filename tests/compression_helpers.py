@@ -38,11 +38,12 @@ def random_prompts(n: int, lengths, seed: int, vocab: int = 256) -> list[list[in
 
 
 def check_bound(engine: EngineCore) -> None:
-    """Through the public snapshot: a compressed request never holds more than N_max = n + 1 blocks."""
-    n_max = engine.config.max_cache_blocks_per_seq + 1
+    """Through the public snapshot: under fixed budgets a compressed request never holds more than
+    N_max = n + 1 blocks, n its own budget."""
     snap = engine.snapshot(max_events=0)
     for info in snap.requests:
-        if info.times_compressed > 0:
+        n_max = info.kv_budget + 1 if info.kv_budget is not None else None
+        if info.times_compressed > 0 and engine.config.budget_policy == "fixed":
             assert len(info.block_table) <= n_max, (
                 f"request {info.id} compressed {info.times_compressed}x holds {len(info.block_table)} blocks")
     used = sum(1 for r in snap.requests if r.query_slot is not None)
