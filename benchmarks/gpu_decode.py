@@ -14,6 +14,8 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
 --overlap on|off forces overlapped decode steps on or off (default: the engine's choice, on for CUDA).
+--budget-policy fixed|elastic sets the engine's budget policy (with --compression 1); the interactive
+rows count the compressions (pool_compressions: those run because the pool was short) and preemptions.
 --variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
 unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
 kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
@@ -35,6 +37,7 @@ import torch
 
 FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
 COMMITTED: dict = {}  # the skinny-path settings as committed, read on first use
+COUNTS = ("compressions", "pool_compressions", "preemptions")  # engine totals an interactive row reports
 
 
 def use_variant(variant: str) -> None:
@@ -109,6 +112,7 @@ def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int) -
     seqs, start = [], time.perf_counter()
     for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed):
         seqs.append(engine.add_request(p, greedy(output_len), stream=True))
+    before = {k: engine.totals[k] for k in COUNTS}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     steps = 0
@@ -129,7 +133,7 @@ def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int) -
             "decode_tok_per_s_per_request_median": statistics.median(rate),
             "decode_tok_per_s_per_request_min": min(rate),
             "aggregate_tok_per_s": sum(s.num_output_tokens for s in seqs) / total,
-            "mean_step_ms": 1e3 * total / steps}
+            "mean_step_ms": 1e3 * total / steps, **{k: engine.totals[k] - before[k] for k in COUNTS}}
 
 
 def count_kernels(fn) -> int:
@@ -263,6 +267,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--loaded-batch", type=int, default=64)
     parser.add_argument("--loaded-context", type=int, default=2000)
     parser.add_argument("--compression", type=int, default=1)
+    parser.add_argument("--budget-policy", choices=("fixed", "elastic"), default="fixed",
+                        help="fixed: compress at the budget; elastic: only when the pool is short")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="plan each decode step while the previous one runs (auto: the engine's default)")
@@ -300,6 +306,7 @@ def main(argv=None) -> dict:
         try:
             engine = EngineCore(EngineConfig(model=args.model, device=args.device,
                                              compression=bool(args.compression), seed=args.seed,
+                                             budget_policy=args.budget_policy,
                                              overlap_steps={"auto": None, "on": True, "off": False}[args.overlap]))
         except Exception as e:  # record and go on to the next variant
             r["error"] = f"{type(e).__name__}: {e}"

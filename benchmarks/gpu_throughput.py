@@ -3,6 +3,12 @@ continuous batching (`generate_batch`), in one process.
 
     python3 benchmarks/gpu_throughput.py --model random:qwen3-0.6b --num-requests 256 \\
         --kv-cache-gb 16 --json out.json
+    python3 benchmarks/gpu_throughput.py --model random:qwen3-0.6b --modes zipage,elastic,fullkv \\
+        --num-requests 96 --kv-cache-gb 12 --json out.json
+
+Modes: zipage (compression on, budgets as --budget-policy says, fixed by default), elastic (zipage
+with elastic budgets: full KV while the pool has room, compressed to the budget when it is short),
+fullkv (compression off) and hf.
 
 Workload: prompts of --min-input..--max-input random tokens, outputs of --min-output..--max-output
 tokens (EOS ignored), drawn once from a fixed seed so every mode serves the same requests. The KV
@@ -11,10 +17,11 @@ memory, not compute, caps concurrency. transformers' generate_batch takes one ou
 whole batch, so it serves the same prompts with every output set to the workload's mean length
 (the same total tokens).
 
-Each engine mode reports the whole run and its saturated phase (see run_engine); the results
+Each engine mode reports the whole run and its saturated phase (see run_engine), its budget
+policy and its compressions (pool_compressions: those run because the pool was short); the results
 also hold the workload's KV footprint ceiling (zipage.cli.bench.kv_footprint) and the Zipage /
-full-KV ratios. --max-seconds bounds each mode; --device cpu with --num-kv-blocks checks the
-script on a CPU with a tiny model.
+full-KV ratios (`ratios`, and `elastic_ratios` for the elastic mode). --max-seconds bounds each
+mode; --device cpu with --num-kv-blocks checks the script on a CPU with a tiny model.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int
     return prompts, outputs
 
 
-def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: dict, log,
+def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log,
                profile_path: str | None = None, max_seconds: float | None = None) -> dict:
     """Serve the workload to the end (or for max_seconds). Besides the whole run, it reports the
     saturated phase: from the first finished request until the waiting queue empties for the last
@@ -52,7 +59,10 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
     from zipage.engine.core import EngineCore
     from zipage.engine.events import Compressed
 
-    engine = EngineCore(EngineConfig(model=model, compression=compression, **engine_kwargs))
+    engine_kwargs = dict(engine_kwargs, compression=mode != "fullkv")
+    if mode == "elastic":
+        engine_kwargs["budget_policy"] = "elastic"
+    engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
     for p, n in zip(prompts, outputs):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     peak_running, peak_blocks_per_req, steps = 0, 0, 0
@@ -89,7 +99,7 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
             cut_off = True
             break
         if now - last_log > 15:
-            log(f"  {'zipage' if compression else 'fullkv'}: {engine.totals['generated_tokens']} tokens, "
+            log(f"  {mode}: {engine.totals['generated_tokens']} tokens, "
                 f"{len(running)} running, {len(engine.scheduler.waiting)} waiting, {now - start:.0f} s")
             last_log = now
     synchronize()
@@ -105,8 +115,9 @@ def run_engine(model: str, prompts, outputs, compression: bool, engine_kwargs: d
               "mean_compression_ms": 1000 * sum(durations) / len(durations) if durations else None,
               "tok_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
               "peak_concurrency": peak_running, "steps": steps, "overlapped_steps": engine.overlapped_steps,
-              "preemptions": engine.totals["preemptions"],
-              "compressions": engine.totals["compressions"], "kv_blocks": engine.blocks.num_blocks,
+              "budget_policy": engine.config.budget_policy if engine.config.compression else None,
+              "preemptions": engine.totals["preemptions"], "compressions": engine.totals["compressions"],
+              "pool_compressions": engine.totals["pool_compressions"], "kv_blocks": engine.blocks.num_blocks,
               "block_size": engine.block_size, "query_slots": engine.runner.num_query_slots,
               "peak_blocks_per_request_sampled": peak_blocks_per_req,
               "kv_pool_gb": engine.runner.kv_bytes / (1 << 30)}
@@ -145,7 +156,7 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
 
 
 def ratios(zipage: dict, fullkv: dict) -> dict:
-    """Zipage over full KV, for the whole run (only when neither was cut off) and the saturated phase."""
+    """A Zipage mode over full KV, for the whole run (only when neither was cut off) and the saturated phase."""
     out = {}
     if not zipage.get("cut_off") and not fullkv.get("cut_off") and "tok_per_s" in zipage and "tok_per_s" in fullkv:
         out["whole_run"] = zipage["tok_per_s"] / fullkv["tok_per_s"]
@@ -157,7 +168,8 @@ def ratios(zipage: dict, fullkv: dict) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--modes", default="zipage,fullkv,hf")
+    parser.add_argument("--modes", default="zipage,fullkv,hf",
+                        help="comma-separated: zipage, elastic (zipage with elastic budgets), fullkv, hf")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-num-requests", type=int, default=None, help="fewer requests for hf (default: all)")
     parser.add_argument("--min-input", type=int, default=128)
@@ -168,6 +180,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the pool in blocks instead")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--budget", type=int, default=8, help="max_cache_blocks_per_seq")
+    parser.add_argument("--budget-policy", choices=("fixed", "elastic"), default="fixed",
+                        help="budget policy of the zipage mode (the elastic mode is always elastic)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
@@ -188,6 +202,7 @@ def main(argv=None) -> dict:
     prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,
                                      args.max_output, min(vocab, 32000), args.seed)
     engine_kwargs = dict(device=args.device, block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
+                         budget_policy=args.budget_policy,
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                          num_kv_blocks=args.num_kv_blocks,
                          enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
@@ -203,10 +218,9 @@ def main(argv=None) -> dict:
     for mode in args.modes.split(","):
         log(f"{args.model} {mode} ...")
         try:
-            if mode in ("zipage", "fullkv"):
+            if mode in ("zipage", "elastic", "fullkv"):
                 profile = f"{args.profile_dir}/profile_{mode}.txt" if args.profile_dir else None
-                r = run_engine(args.model, prompts, outputs, mode == "zipage", engine_kwargs, log, profile,
-                               args.max_seconds)
+                r = run_engine(args.model, prompts, outputs, mode, engine_kwargs, log, profile, args.max_seconds)
             elif mode == "hf":
                 n = args.hf_num_requests or len(prompts)
                 r = run_hf(args.model, prompts[:n], outputs[:n], log)
@@ -215,9 +229,12 @@ def main(argv=None) -> dict:
         except Exception as e:  # record and go on: one failed mode must not lose the others
             r = {"error": f"{type(e).__name__}: {e}"}
         results["modes"][mode] = r
-        if mode == "fullkv" and "zipage" in results["modes"]:
-            results["ratios"] = ratios(results["modes"]["zipage"], r)
-            log(f"Zipage / full KV: {json.dumps(results['ratios'])}")
+        done = results["modes"]
+        for zipage_mode, key in (("zipage", "ratios"), ("elastic", "elastic_ratios")):
+            # once both sides have run, in whichever order --modes gives them
+            if mode in (zipage_mode, "fullkv") and zipage_mode in done and "fullkv" in done:
+                results[key] = ratios(done[zipage_mode], done["fullkv"])
+                log(f"{zipage_mode} / full KV: {json.dumps(results[key])}")
         log(f"{args.model} {mode}: " + json.dumps(r))
         if args.json:
             with open(args.json, "w") as f:

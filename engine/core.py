@@ -255,13 +255,15 @@ class EngineCore:
                 seq.forget_expected_token()
             return None
         batch = self.scheduler.schedule()
-        assert batch is not None and batch.seqs and not (batch.is_prefill or batch.preempted or batch.exhausted), \
+        assert batch is not None and not (batch.is_prefill or batch.preempted or batch.exhausted), \
             "overlap_ready() promised decode and compressions only"
         # A compression reads KV up to the token in flight, which the device writes before it starts;
         # the sampled id itself is not needed.
         outputs = []
         for job in batch.compress:
             outputs += self._start_compression(job)
+        if not batch.seqs:  # a short pool compresses every request that would decode (elastic budgets)
+            return outputs + self._collect_inflight()
         launched = self._launch(batch, previous)
         self.overlapped_steps += 1
         outputs += self._collect_inflight()

@@ -145,11 +145,11 @@ class Scheduler:
         decode for the running requests, plus compressions, and nothing else. So none can be admitted,
         no prefill is part-way, none reaches a window without a query slot, the pool has a block for
         each request that decodes, and every compression due has its blocks already (one that needs
-        fresh blocks might preempt, and a preempted request must see all its tokens)."""
+        fresh blocks might preempt, and a preempted request must see all its tokens). Compressions for a
+        short pool under elastic budgets qualify too: they are only planned where they need no fresh
+        block, and the appends were counted before them."""
         if self.waiting and self._admissible(self.waiting[0]):
             return False
-        if self._elastic and self._blocks_short(self._decoders()) > 0:
-            return False  # compressions for the pool are planned with every token read
         needed, decoding = 0, 0
         for seq in self.running:
             if seq.status is Status.COMPRESSING:
@@ -200,10 +200,17 @@ class Scheduler:
     def _decoders(self) -> list[Sequence]:
         return [s for s in self.running if s.status is Status.RUNNING and not s.in_prefill]
 
+    def _needs_block_soon(self, seq: Sequence) -> bool:
+        """Whether a decoding request needs a new block within the next block_size / 8 steps: elastic
+        budgets compress that far ahead, so the compaction lands before the block is due and the step
+        that needs it still finds one free (and can be planned while the previous step runs)."""
+        lookahead = max(1, self.blocks.block_size // 8)
+        return seq.kv_len + lookahead > len(seq.block_table) * self.blocks.block_size
+
     def _blocks_short(self, decoders: list[Sequence]) -> int:
-        """How many blocks the pool lacks for this step's decode appends and the admission of the head
+        """How many blocks the pool lacks for the decode appends due soon and the admission of the head
         of the waiting queue, counting those that compressions in flight will return."""
-        demand = sum(1 for s in decoders if self.blocks.needs_new_block(s))
+        demand = sum(1 for s in decoders if self._needs_block_soon(s))
         if self.waiting and self._has_place(self.waiting[0]):
             demand += self.blocks.blocks_to_allocate(self.waiting[0])
         incoming = sum(s.releasing for s in self.running if s.status is Status.COMPRESSING)
@@ -222,7 +229,7 @@ class Scheduler:
                 return
             if self.compressor.fresh_blocks_needed(seq) > 0:
                 continue
-            gain = self.compressor.blocks_freed(seq) + self.blocks.needs_new_block(seq)
+            gain = self.compressor.blocks_freed(seq) + self._needs_block_soon(seq)
             if gain == 0:
                 continue
             plan.queue.remove(seq)

@@ -174,3 +174,38 @@ def test_elastic_invariants_hold_under_any_schedule(model_path, lengths, pool, c
     for out in outs:
         assert out.finish_reason == "length"
         assert out.num_output_tokens == max_tokens or out.error is not None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lone_request_compresses_itself_when_it_fills_the_pool(model_path, overlap):
+    """One request and a pool of 5 blocks: with nothing else to compress, it is compressed down to its
+    floor each time it fills the pool (at 80 entries, keeping 32: after 60, 108 and 156 tokens), in an
+    overlapped step too (where nothing then decodes)."""
+    prompt = random_prompts(1, [20], seed=6)
+    outs, totals, _, events = serve(model_path, prompt, [greedy(200)], num_kv_blocks=5, budget_policy="elastic",
+                                    overlap_steps=overlap)
+    assert outs[0].num_output_tokens == 200 and totals["preemptions"] == 0
+    pool = [e for e in events if e.kind == "compressed"]
+    assert len(pool) == 3 and all(e.reason == "pool" and e.blocks_before == 5 and e.blocks_after == 3 for e in pool)
+
+
+def test_a_waiting_prompt_is_admitted_by_compressing_the_running_one(model_path):
+    """Overlapped steps: the running request decodes with room to spare, but the prompt waiting behind
+    it does not fit; the running request is compressed to its floor (no one decodes that step), and
+    the waiting one is admitted without a preemption."""
+    engine = make_engine(model_path, num_kv_blocks=6, budget_policy="elastic", overlap_steps=True)
+    try:
+        first = engine.add_request(random_prompts(1, [20], seed=7)[0], greedy(100))
+        while first.kv_len < 50:
+            engine.step()
+            engine.check_invariants()
+        second = engine.add_request(random_prompts(1, [40], seed=8)[0], greedy(30))
+        done = run(engine)
+        assert_drained(engine)
+        assert done[first.id].num_output_tokens == 100 and done[second.id].num_output_tokens == 30
+        assert engine.totals["preemptions"] == 0
+        compressed = [e for e in engine.events if e.kind == "compressed"]
+        assert compressed[0].request == first.id and compressed[0].reason == "pool"
+        assert compressed[0].blocks_before == 4 and compressed[0].blocks_after == 3
+    finally:
+        engine.close()

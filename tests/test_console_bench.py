@@ -1,7 +1,9 @@
-"""`run_bench`: the three modes on one tiny model, and the transformers model holding exactly the
+"""`run_bench`: the modes on one tiny model, and the transformers model holding exactly the
 engine's weights."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -63,6 +65,50 @@ def test_run_bench_says_when_compression_cannot_trigger():
                         engine_kwargs=KNOBS, repeats=1, note=notes.append)
     assert not results["compression_can_trigger"] and results["kv_footprint"]["ratio"] == 1.0
     assert len(notes) == 1 and "compression cannot trigger: 10 + 6 tokens fit in the 2 blocks of 16" in notes[0]
+
+
+def test_run_bench_elastic_mode_compresses_only_for_the_pool():
+    """Mode elastic is Zipage with elastic budgets beside the engine's own (fixed) policy: 3 requests of
+    10 + 40 tokens need 4 blocks each in full, 12 in all, against a pool of 8."""
+    notes = []
+    results = run_bench("random:llama-tiny", ["zipage", "elastic", "fullkv"], num_requests=3, input_len=10,
+                        output_len=40, engine_kwargs=dict(KNOBS, num_kv_blocks=8), repeats=1, note=notes.append)
+    zipage, elastic, fullkv = results["results"]
+    assert [r["mode"] for r in results["results"]] == ["zipage", "elastic", "fullkv"]
+    assert [r["budget_policy"] for r in results["results"]] == ["fixed", "elastic", None]
+    assert zipage["output_tokens"] == elastic["output_tokens"] == fullkv["output_tokens"] == 120
+    assert zipage["compressions"] > 0 and zipage["pool_compressions"] == 0
+    assert elastic["compressions"] == elastic["pool_compressions"] > 0
+    assert fullkv["compressions"] == 0 and fullkv["preemptions"] > 0
+    assert results["elastic_can_trigger"] and notes == []
+
+
+def test_run_bench_says_when_the_pool_holds_every_request_in_full():
+    notes = []
+    results = run_bench("random:llama-tiny", ["elastic", "fullkv"], num_requests=3, input_len=10, output_len=40,
+                        engine_kwargs=KNOBS, repeats=1, note=notes.append)
+    elastic = results["results"][0]
+    assert results["compression_can_trigger"] and not results["elastic_can_trigger"]
+    assert elastic["compressions"] == 0 and elastic["output_tokens"] == 120
+    assert len(notes) == 1 and notes[0].startswith("elastic compression cannot trigger:")
+    assert "the full KV of 3 requests at once (12 blocks) fits in the pool of 32" in notes[0]
+
+
+def test_bench_command_runs_mode_elastic(tmp_path):
+    from typer.testing import CliRunner
+
+    from zipage.cli.main import app
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--mode", "elastic", "--mode", "fullkv", "--model", "random:llama-tiny", "--device", "cpu",
+            "--block-size", "16", "--window", "8", "--max-cache-blocks-per-seq", "1", "--num-kv-blocks", "8",
+            "--num-requests", "3", "--input-len", "10", "--output-len", "40", "--repeats", "1", "--json", str(out)]
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    elastic, fullkv = json.loads(out.read_text())["results"]
+    assert (elastic["mode"], elastic["budget_policy"], fullkv["mode"]) == ("elastic", "elastic", "fullkv")
+    assert elastic["pool_compressions"] > 0
+    assert "vs elastic" in result.output  # the table's ratio column is against the first mode
 
 
 def test_run_bench_rejects_bad_settings():

@@ -273,7 +273,8 @@ def test_event_lines_are_never_cut():
                                     tokens_after=256, evicted_per_layer=32, recent_kept=192, times=1, seconds=0.004)])
                 await pilot.pause()
                 shown = " ".join(str(log.render()).split())
-                assert "#7 compressed 288→256 entries per layer (192 newest + 64 by score), blocks 9→9 (4.0 ms)" in shown
+                assert ("#7 compressed 9→9 blocks, at its budget: 288→256 entries per layer (192 newest + 64 by score), "
+                        "4.0 ms") in shown
         finally:
             app.engine.close()
 

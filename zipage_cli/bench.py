@@ -1,5 +1,7 @@
 """`zipage bench`: throughput of Zipage, the same engine with full KV, and transformers' continuous
 batching, on the same weights and the same random-token prompts (greedy, fixed output length).
+Mode "zipage" runs the engine's budget policy; mode "elastic" is Zipage with elastic budgets whatever
+that policy, so one run can set fixed and elastic budgets side by side.
 
 `run_bench` is the reusable entry point; `kv_footprint` gives the concurrency gain a workload allows.
 """
@@ -17,9 +19,10 @@ from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.llm import LLM
 from zipage.engine.loader import resolve_model
 
-MODES = ("zipage", "fullkv", "hf")
+MODES = ("zipage", "elastic", "fullkv", "hf")
 SNAPSHOT_EVERY_S = 0.1  # how often a run samples the running-request count
 WARMUP_OUTPUT_TOKENS = 8  # the warm-up run: every request of the workload, this many tokens each
+COUNTS = ("compressions", "pool_compressions", "preemptions")  # engine totals each engine run reports
 
 # progress(mode, tokens generated so far, tokens the mode generates in all its timed runs)
 Progress = Callable[[str, int, int], None]
@@ -37,8 +40,10 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
     same fresh prompts, in an order that rotates from round to round (so drift in the machine's speed
     falls on every mode alike). Returns the settings and one result per mode: the median
     `tokens_per_s` and `seconds`, every run's figure, `output_tokens` per run, `peak_concurrency`,
-    `ratio` of medians to the first mode and `within_noise` (the runs of the two modes overlap).
-    `note` hears, before anything runs, when compression cannot trigger on this workload."""
+    `ratio` of medians to the first mode, `within_noise` (the runs of the two modes overlap) and, for
+    the engine modes, `budget_policy` and the last run's `compressions`, `pool_compressions` (run
+    because the pool was short) and `preemptions`. `note` hears, before the timed runs, when
+    compression cannot trigger on this workload."""
     engine_kwargs = dict(engine_kwargs or {})
     for mode in modes:
         if mode not in MODES:
@@ -55,14 +60,24 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
     block_size = _block_size(config)
     footprint = kv_footprint([input_len] * num_requests, [output_len] * num_requests, block_size,
                              config.max_cache_blocks_per_seq)
-    if note is not None and "zipage" in modes and footprint["ratio"] == 1.0:
+    policies = {mode: _policy(mode, config) for mode in modes}
+    elastic = [mode for mode in modes if policies[mode] == "elastic"]
+    # Elastic budgets are checked once the pool is sized (below): they compress only when it is short.
+    if note is not None and policies.get("zipage") == "fixed" and footprint["ratio"] == 1.0:
         note(f"compression cannot trigger: {input_len} + {output_len} tokens fit in the "
              f"{config.max_cache_blocks_per_seq + 1} blocks of {block_size} a request may hold, so zipage "
              "and fullkv do identical work here; raise --output-len or lower --max-cache-blocks-per-seq "
              "to see compression")
     vocab = resolve_model(model).hf_config.vocab_size
     runners = _load(model, modes, config, engine_kwargs)
+    elastic_idle = None
     try:
+        if elastic:  # the pool's size is known now
+            elastic_idle = _elastic_idle(runners[elastic[0]].llm.engine, num_requests, input_len, output_len)
+            if note is not None and elastic_idle:
+                why, remedy = elastic_idle
+                note(f"elastic compression cannot trigger: {why}, so {', '.join(elastic)} and fullkv do "
+                     f"identical work here; {remedy} to see compression")
         warmup = random_prompts(vocab, num_requests, input_len, config.seed + repeats + 1)
         for mode in modes:  # first-call costs (allocation, lazy init, graph capture) stay out of the timing
             runners[mode](warmup, min(output_len, WARMUP_OUTPUT_TOKENS), lambda tokens: None)
@@ -80,25 +95,57 @@ def run_bench(model: str, modes: list[str], num_requests: int, input_len: int, o
         for runner in runners.values():
             getattr(runner, "close", lambda: None)()
         _release_memory()
-    results = [_summary(mode, runs[mode]) for mode in modes]
+    results = [_summary(mode, runs[mode], policies[mode]) for mode in modes]
     base = results[0]
     for r in results:
         r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
         r["within_noise"] = (r is not base and r["spread"][0] <= base["spread"][1]
                              and base["spread"][0] <= r["spread"][1])
-    return {"model": model, "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-            "repeats": repeats, "device": results[0].get("device"), "results": results,
-            "kv_footprint": footprint, "compression_can_trigger": footprint["ratio"] != 1.0}
+    out = {"model": model, "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+           "repeats": repeats, "device": results[0].get("device"), "results": results,
+           # under fixed budgets: whether a request outgrows its budget
+           "kv_footprint": footprint, "compression_can_trigger": footprint["ratio"] != 1.0}
+    if elastic:
+        out["elastic_can_trigger"] = elastic_idle is None
+    return out
 
 
-def _summary(mode: str, runs: list[dict]) -> dict:
+def _policy(mode: str, config: EngineConfig) -> str | None:
+    """The budget policy a mode runs under; None for the modes without compression."""
+    return {"zipage": config.budget_policy, "elastic": "elastic"}.get(mode)
+
+
+def _elastic_idle(engine, num_requests: int, input_len: int, output_len: int) -> tuple[str, str] | None:
+    """Why an elastic engine never compresses on this workload and what would change that, or None when
+    it may. It compresses only a request above its floor, and only when the pool is short: when the
+    pool holds the full KV of every request that can run at once, it keeps full KV throughout."""
+    budget, block_size, pool = engine.config.max_cache_blocks_per_seq, engine.block_size, engine.blocks.num_blocks
+    kv_len = input_len + output_len - 1  # the last token is sampled, never written to the cache
+    if kv_len <= budget * block_size:
+        return (f"{input_len} + {output_len} tokens never exceed the floor of {budget} "
+                f"block{'s' if budget != 1 else ''} of {block_size}",
+                "raise --output-len or lower --max-cache-blocks-per-seq")
+    running = min(num_requests, engine.config.max_num_seqs, engine.runner.num_query_slots)  # each holds a slot
+    full = running * -(-kv_len // block_size)
+    if full <= pool:
+        return (f"it compresses only when the pool is short, and the full KV of {running} requests at once "
+                f"({full} blocks) fits in the pool of {pool}",
+                "raise --num-requests or --output-len, or lower --num-kv-blocks or --kv-cache-gb")
+    return None
+
+
+def _summary(mode: str, runs: list[dict], policy: str | None) -> dict:
     rates = [r["tokens_per_s"] for r in runs]
     peaks = [r["peak_concurrency"] for r in runs if r["peak_concurrency"] is not None]
-    return {"mode": mode, "tokens_per_s": statistics.median(rates), "spread": (min(rates), max(rates)),
-            "runs_tokens_per_s": rates, "seconds": statistics.median(r["seconds"] for r in runs),
-            "output_tokens": runs[-1]["output_tokens"],
-            "peak_concurrency": max(peaks) if peaks else None,
-            "device": runs[0]["device"]}
+    out = {"mode": mode, "tokens_per_s": statistics.median(rates), "spread": (min(rates), max(rates)),
+           "runs_tokens_per_s": rates, "seconds": statistics.median(r["seconds"] for r in runs),
+           "output_tokens": runs[-1]["output_tokens"],
+           "peak_concurrency": max(peaks) if peaks else None,
+           "device": runs[0]["device"]}
+    if mode != "hf":
+        out["budget_policy"] = policy
+        out.update({k: runs[-1][k] for k in COUNTS})
+    return out
 
 
 def _device_type(config: EngineConfig) -> str:
@@ -123,7 +170,8 @@ def _load(model: str, modes: list[str], config: EngineConfig, engine_kwargs: dic
     runners, kwargs = {}, dict(engine_kwargs)
     try:
         for mode in engines:
-            runner = EngineRunner(model, kwargs, compression=mode == "zipage")
+            mode_kwargs = dict(kwargs, budget_policy="elastic") if mode == "elastic" else kwargs
+            runner = EngineRunner(model, mode_kwargs, compression=mode != "fullkv")
             runners[mode] = runner
             if not explicit_pool:
                 kwargs["num_kv_blocks"] = runner.llm.engine.runner.num_blocks
@@ -174,6 +222,7 @@ class EngineRunner:
         engine = self.llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         first = engine.totals["generated_tokens"]
+        counts = {k: engine.totals[k] for k in COUNTS}
         start = time.perf_counter()
         for p in prompts:
             engine.add_request(p, params)
@@ -188,7 +237,8 @@ class EngineRunner:
                 peak = max(peak, len(engine.scheduler.running))
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                "peak_concurrency": peak, "device": str(engine.runner.device)}
+                "peak_concurrency": peak, "device": str(engine.runner.device),
+                **{k: engine.totals[k] - counts[k] for k in COUNTS}}
 
     def close(self) -> None:
         self.llm.close()

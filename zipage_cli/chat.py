@@ -293,7 +293,7 @@ class ChatApp(SidePanes, ThemedApp):
             elif command == "/help":
                 self.action_help()
             else:
-                note = session.conv.apply(command, arg)
+                note = session.conv.apply(command, arg, self.engine)
                 if note is None:
                     raise ValueError(f"unknown command {command}; F1 lists them")
                 self.notify(f"{session.conv.name}: {note}", timeout=2)

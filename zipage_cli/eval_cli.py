@@ -39,7 +39,8 @@ def shared_options(func):
     params.append(inspect.Parameter(
         "settings", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
         default=typer.Option([], "--set", metavar="KNOB=VALUE",
-                             help="An engine knob applied on top of every row, for sweeps (repeatable).")))
+                             help="An engine knob applied on top of every row, for sweeps (repeatable); also "
+                                  "pool_share=X: a KV pool of X times what each group of samples holds in full.")))
 
     @functools.wraps(func)
     def wrapper(**kwargs):

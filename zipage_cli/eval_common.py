@@ -96,10 +96,15 @@ def parse_budgets(text: str) -> list[Budget]:
     return budgets
 
 
+# An evaluation setting beside the engine knobs: size each group's KV pool as this share of what its
+# samples hold in full (--set pool_share=0.5), so elastic budgets are measured in a pool that is short.
+POOL_SHARE = "pool_share"
+
+
 def parse_settings(items: list[str]) -> dict:
     """["recent_share=0.5", "enable_pooling=false"] -> {"recent_share": 0.5, "enable_pooling": False}."""
     settings = {}
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    known = {f.name for f in dataclasses.fields(EngineConfig)} | {POOL_SHARE}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -110,8 +115,17 @@ def parse_settings(items: list[str]) -> dict:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
-    EngineConfig(**settings)  # a bad value fails here, with the config's own message
+    share = settings.get(POOL_SHARE)
+    if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 4):
+        raise ValueError(f"--set {POOL_SHARE}={share!r}: must be a number in (0, 4]")
+    EngineConfig(**{k: v for k, v in settings.items() if k != POOL_SHARE})  # a bad value fails with the config's message
     return settings
+
+
+def pool_blocks(requests: list[Request], block_size: int, share: float) -> int:
+    """A KV pool of `share` times the blocks every request of a group holds at its full length: 1 holds
+    them all in full KV, 0.5 half of that (elastic budgets then compress when it runs short)."""
+    return max(1, int(share * sum(-(-r.context_tokens // block_size) for r in requests)))
 
 
 def check_count(name: str, value: int, low: int = 1, high: int | None = None) -> None:
@@ -299,7 +313,10 @@ def run_cell(task: Task, source, budget: Budget | None, block_size: int, window:
             requests = [Request(r.prompt, forced=out) for r, out in zip(requests, reference["outputs"][g])]
         context = max(r.context_tokens for r in requests)
         blocks = None if budget is None else budget.blocks_for(context, block_size)
-        engine = make_engine(source, block_size, blocks, window, overrides, device)
+        knobs = {k: v for k, v in overrides.items() if k != POOL_SHARE}
+        if POOL_SHARE in overrides and blocks is not None:  # full KV keeps its own pool: its cache is shared
+            knobs["num_kv_blocks"] = max(pool_blocks(requests, block_size, overrides[POOL_SHARE]), blocks + 1)
+        engine = make_engine(source, block_size, blocks, window, knobs, device)
         observer, collected = task.observer(g, reference) if task.observer else (None, None)
         outputs.append(drive(engine, requests, observer, advance))
         observed.append(collected)

@@ -25,7 +25,8 @@ err = Console(stderr=True)
 
 @app.command(epilog="Examples:\n\n  zipage generate \"Why is the sky blue?\"\n\n"
                     "  echo \"Write a haiku about GPUs\" | zipage generate --max-tokens 64\n\n"
-                    "  zipage generate --raw --temperature 0 \"The capital of France is\"")
+                    "  zipage generate --raw --temperature 0 \"The capital of France is\"\n\n"
+                    "  zipage generate --kv-budget 4 --budget-policy elastic \"Explain KV caches\"")
 @engine_options
 def generate(
     prompt: str = typer.Argument(None, help="The prompt; read from standard input when omitted."),
@@ -36,6 +37,10 @@ def generate(
     min_p: float = typer.Option(0.0, help="Drop tokens below min_p times the top probability."),
     repetition_penalty: float = typer.Option(1.0, help="Penalty for tokens already in the context."),
     sample_seed: int = typer.Option(None, "--sample-seed", help="Seed for this request's sampling."),
+    # Read as text so that a value that is no whole number is one line of error, like 0 or too large a budget.
+    kv_budget: str = typer.Option(None, "--kv-budget", metavar="BLOCKS",
+                                  help="This request's KV budget in blocks (its floor under --budget-policy "
+                                       "elastic); default: the engine's --max-cache-blocks-per-seq."),
     raw: bool = typer.Option(False, "--raw", metavar="",
                              help="Send the prompt as is, without the model's chat template."),
     system: str = typer.Option(None, help="A system message for the chat template."),
@@ -62,7 +67,8 @@ def generate(
         raise typer.Exit(2)
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed)
+                                repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed,
+                                kv_budget=_blocks(kv_budget, "--kv-budget"))
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
@@ -100,6 +106,19 @@ def generate(
         raise typer.Exit(130)
     finally:
         service.close()
+
+
+def _blocks(value: str | None, option: str) -> int | None:
+    """An option's text as a count of blocks >= 1 (None stays None); ValueError naming the option otherwise."""
+    if value is None:
+        return None
+    try:
+        blocks = int(value)
+    except ValueError:
+        blocks = 0
+    if blocks < 1:
+        raise ValueError(f"{option} {value}: must be a whole number of blocks >= 1")
+    return blocks
 
 
 @app.command(epilog="Example:\n\n  zipage models")
@@ -373,7 +392,8 @@ def serve(
 @engine_options
 def bench(
     mode: list[str] = typer.Option(["zipage", "fullkv"], "--mode",
-                                   help="zipage (compression on), fullkv (same engine, compression off) or hf "
+                                   help="zipage (compression on, budgets as --budget-policy says), elastic (zipage "
+                                        "with elastic budgets), fullkv (same engine, compression off) or hf "
                                         "(transformers continuous batching); repeat to compare, first is the base."),
     num_requests: int = typer.Option(16, min=1, help="Requests, all submitted at once."),
     input_len: int = typer.Option(128, min=1, help="Random prompt tokens per request."),

@@ -53,8 +53,10 @@ NEUTRAL_VALUES = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "
 # which are not supported.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-# Sampling fields taken as they come; SamplingParams validates them.
-PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+# Sampling fields taken as they come; SamplingParams validates them. kv_budget is the request's own KV
+# budget in blocks; one the engine cannot hold (past its pool, or with compression off) is refused when the
+# engine takes the request, and that ValueError is a 400 too (docs/design-notes.md, "Budgets").
+PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "kv_budget")
 
 
 def check_model(body: dict, served: str) -> None:

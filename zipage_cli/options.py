@@ -18,7 +18,9 @@ KNOB_HELP = {
     "dtype": "float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).",
     "compression": "Bound each request's KV cache (off = full-KV baseline).",
     "block_size": "Tokens per KV block (default 256 on GPU, 32 on CPU).",
-    "max_cache_blocks_per_seq": "Block budget n per request; a request holds at most n + 1 blocks.",
+    "max_cache_blocks_per_seq": "Block budget n of a request that names none (its own: kv_budget).",
+    "budget_policy": "fixed: a request holds at most budget + 1 blocks; elastic: the budget is a floor, and "
+                     "requests keep full KV until the pool is short.",
     "window": "Observation window w: queries of the last w positions score the cache.",
     "use_global_score": "Carry each kept token's score into the next compression (decayed).",
     "global_decay": "Decay of the carried score: s = max(s_now, decay * s_prev).",

@@ -14,12 +14,15 @@ from typing import TextIO
 
 from zipage.engine.config import SamplingParams
 from zipage.engine.core import PromptTooLong
+from zipage.engine.geometry import CompressionGeometry
 from zipage.engine.service import EngineThread
 
 SETTING_COMMANDS = """\
 /temp X       sampling temperature for this session (0 = greedy)
 /max N        most tokens per answer
 /system TEXT  system message (empty to clear)
+/budget N     KV budget of this session's answers, in blocks (alone: show it;
+              /budget default: back to the engine's)
 /clear        forget this session's history"""
 
 PLAIN_HELP = SETTING_COMMANDS + """
@@ -37,9 +40,10 @@ class Conversation:
     max_tokens: int = 512
     system: str | None = None
     history: list[dict] = field(default_factory=list)
+    kv_budget: int | None = None  # blocks; None: the engine's
 
     def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, kv_budget=self.kv_budget)
 
     def messages_for(self, prompt: str) -> list[dict]:
         """The whole conversation plus the new user turn, as the chat template wants it."""
@@ -60,12 +64,13 @@ class Conversation:
         system = f"system: {self.system[:24]}…" if self.system and len(self.system) > 24 else (
             f"system: {self.system}" if self.system else "no system message")
         turns = len(self.history) // 2
-        return (f"temperature {self.temperature:g} · max tokens {self.max_tokens} · {system} · "
+        budget = f" · KV budget {self.kv_budget}" if self.kv_budget is not None else ""
+        return (f"temperature {self.temperature:g} · max tokens {self.max_tokens}{budget} · {system} · "
                 f"{turns} turn{'s' if turns != 1 else ''}")
 
-    def apply(self, command: str, arg: str) -> str | None:
+    def apply(self, command: str, arg: str, engine=None) -> str | None:
         """Run a settings command; returns a confirmation, None if `command` is not one,
-        or raises ValueError for a bad value."""
+        or raises ValueError for a bad value. `engine` (when known) checks a budget before it is kept."""
         if command in ("/temp", "/temperature"):
             value = _number(arg, float, command)
             SamplingParams(temperature=value)  # validates
@@ -79,10 +84,53 @@ class Conversation:
         if command == "/system":
             self.system = arg or None
             return f"system message: {arg}" if arg else "system message cleared"
+        if command == "/budget":
+            return self.set_budget(arg, engine)
         if command == "/clear":
             self.history.clear()
             return "history cleared"
         return None
+
+    def set_budget(self, arg: str, engine=None) -> str:
+        """`/budget N` sets this session's KV budget, `/budget default` (or off) returns to the engine's,
+        `/budget` alone says which one applies."""
+        if arg.lower() in ("default", "off"):
+            self.kv_budget = None
+        elif arg:
+            value = int(arg) if arg.isdecimal() else 0
+            if value < 1:
+                raise ValueError(f"/budget {arg}: give a whole number of blocks >= 1, or default")
+            if engine is not None:
+                check_budget(engine, value)
+            self.kv_budget = value
+        floor = " (a floor: elastic budgets)" if _elastic(engine) else ""
+        if self.kv_budget is not None:
+            return f"KV budget {_blocks(self.kv_budget)}{floor}"
+        if engine is None:
+            return "KV budget: the engine's"
+        if not engine.config.compression:
+            return "KV budget: none, this engine keeps full KV (compression is off)"
+        return f"KV budget: the engine's, {_blocks(engine.config.max_cache_blocks_per_seq)}{floor}"
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block{'s' if n != 1 else ''}"
+
+
+def _elastic(engine) -> bool:
+    return engine is not None and engine.config.budget_policy == "elastic"
+
+
+def check_budget(engine, blocks: int) -> None:
+    """ValueError unless `engine` (local or attached) can run a request with this KV budget: the checks
+    the engine makes when a request comes (docs/design-notes.md, "Budgets"), made when the budget is set,
+    so that a bad one is refused at once rather than at the next message."""
+    if not engine.config.compression:
+        raise ValueError(f"/budget {blocks}: this engine keeps every request's full KV (compression is off)")
+    pool = engine.snapshot().pool
+    if blocks + 1 > pool.total:
+        raise ValueError(f"/budget {blocks}: a request may hold budget + 1 blocks, and the KV pool has {pool.total}")
+    CompressionGeometry.from_config(engine.config, pool.block_size).check_budget(blocks)
 
 
 def _number(arg: str, kind: type, command: str):
@@ -182,7 +230,7 @@ def handle_line(engine: EngineThread, conv: Conversation, line: str, out: TextIO
         if command == "/help":
             err.write(PLAIN_HELP + "\n")
         elif command:
-            note = conv.apply(command, arg)
+            note = conv.apply(command, arg, engine)
             err.write(f"{note}\n" if note else f"unknown command {command}; /help lists them\n")
         else:
             answer(engine, conv, line, out)

@@ -169,7 +169,8 @@ class RemoteEngine:
                 "return_token_ids": True, "user": session, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
                 "max_tokens": params.max_tokens, "seed": params.seed, "stop": params.stop or None,
-                "ignore_eos": params.ignore_eos, ("messages" if chat else "prompt"): prompt}
+                "ignore_eos": params.ignore_eos, "kv_budget": params.kv_budget,
+                ("messages" if chat else "prompt"): prompt}
         handle = self._call(self._start(f"/v1/{'chat/' if chat else ''}completions", body, session))
         with self._lock:
             self._handles.add(handle)

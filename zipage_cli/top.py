@@ -29,7 +29,8 @@ from zipage.engine.events import (Aborted, Admitted, Compressed, EngineSnapshot,
                                   Prefilled, RequestInfo)
 from zipage.engine.service import EngineThread
 from zipage.cli.themes import ThemedApp
-from zipage.cli.widgets import PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, describe_event, drain
+from zipage.cli.widgets import (PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, budget_cell, describe_event,
+                                drain)
 
 REFRESH_S = 0.25
 
@@ -170,6 +171,7 @@ def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Eve
         earlier = (last_compression or {}).get(target)
         if earlier is not None and not any(e.kind == "compressed" for e in mine) and target in new:
             lines.append(f"#{target}'s latest compression (its {_nth(earlier.times)}): " + compression_words(earlier))
+            lines.append("   " + compression_reason(target, earlier))
     others = [e for e in events if e.request != target]
     if others:
         lines.append("")
@@ -195,6 +197,7 @@ def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | N
                 targets = [b for b, role in zip(held, after.block_roles) if role == "target"] if after else []
                 decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
                 lines.append(f"#{rid} was compressed this step: " + compression_words(e))
+                lines.append("   " + compression_reason(rid, e))
                 if targets:
                     lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
                                  + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
@@ -238,7 +241,8 @@ def _progress(rid: int, before: RequestInfo, after: RequestInfo, events: list[Ev
                      f"(now {len(after.block_table)} blocks).")
     if before.query_slot is None and after.query_slot is not None:
         lines.append(f"#{rid} got query slot {after.query_slot}: the queries of its last window positions are "
-                     "now kept, so it can be scored and compressed when it reaches its block budget.")
+                     "now kept, so it can be scored and compressed when it reaches its block budget (under "
+                     "elastic budgets: when the pool runs short).")
     return lines
 
 
@@ -256,6 +260,17 @@ def compression_words(c: Compressed) -> str:
             + f"; {1000 * c.seconds:.1f} ms.")
 
 
+def compression_reason(rid: int, c: Compressed) -> str:
+    """Why a compression ran: the request reached its budget, or (elastic budgets) the pool was short
+    and compressing it stood in for a preemption (docs/design-notes.md, "Budgets")."""
+    n = c.budget_blocks  # 0: unknown (an older server's event)
+    blocks = f" of {n} block{'s' if n != 1 else ''}" if n else ""
+    if c.reason == "pool":
+        return (f"Why: the pool was short of free blocks, so #{rid} was compressed from {c.blocks_before} blocks "
+                f"down to its floor{blocks} instead of anyone being preempted.")
+    return f"Why: it reached its KV budget{blocks}, so it was compressed back to it."
+
+
 def _nth(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
@@ -265,11 +280,12 @@ def _ids(blocks: list[int]) -> str:
 
 
 # -- the app -----------------------------------------------------------------------------
-COLUMNS = ("id", "session", "status", "prompt", "output", "kv", "blocks", "shared", "compr.", "q-slot", "tok/s")
+COLUMNS = ("id", "session", "status", "prompt", "output", "kv", "budget/held", "shared", "compr.", "q-slot",
+           "tok/s")
 
 
 def row_cells(r: RequestInfo) -> tuple:
-    return (str(r.id), r.session or "-", r.status, r.prompt_tokens, r.output_tokens, r.kv_len, len(r.block_table),
+    return (str(r.id), r.session or "-", r.status, r.prompt_tokens, r.output_tokens, r.kv_len, budget_cell(r),
             r.blocks_shared, r.times_compressed, "-" if r.query_slot is None else r.query_slot,
             f"{r.tokens_per_s:.1f}")
 

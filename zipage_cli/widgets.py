@@ -43,6 +43,8 @@ Terms in the panes:
   shared prefix      a block other requests use too (a common prompt start), never written
   compressed target  a block holding the entries kept by a compression
   decode             the fresh block a compressed request writes its next tokens into
+  budget/held        a request's KV budget in blocks (a floor under elastic budgets) / the blocks it
+                     holds; then why it was last compressed: at its budget, or the pool was short
   q-slots            query slots: the last window's queries kept per request, needed to score
                      its cache; a request must hold one to be compressed
   TTFT / ITL         time to first token / between two tokens of one answer
@@ -91,10 +93,10 @@ def describe_event(event: Event) -> str:
         case Compressed() as c:
             prompt = min(c.prompt_kept, c.tokens_after)
             recent = min(c.recent_kept, c.tokens_after - prompt)
-            return (f"compressed {c.tokens_before}→{c.tokens_after} entries per layer ("
+            return (f"compressed {c.blocks_before}→{c.blocks_after} blocks, {compression_cause(c)}: "
+                    f"{c.tokens_before}→{c.tokens_after} entries per layer ("
                     + (f"{prompt} prompt + " if prompt else "") + f"{recent} newest + "
-                    f"{c.tokens_after - prompt - recent} by score), blocks {c.blocks_before}→{c.blocks_after} "
-                    f"({1000 * c.seconds:.1f} ms)")
+                    f"{c.tokens_after - prompt - recent} by score), {1000 * c.seconds:.1f} ms")
         case Preempted(output_tokens=tokens):
             return f"preempted after {tokens} tokens: blocks freed, requeued"
         case Failed(error=error):
@@ -102,6 +104,20 @@ def describe_event(event: Event) -> str:
         case Finished() | Aborted():
             return f"{event.kind} ({event.reason}, {event.output_tokens} tokens)"
     return event.kind
+
+
+def compression_cause(c: Compressed) -> str:
+    """Why a compression ran, in a few words (docs/design-notes.md, "Budgets")."""
+    if c.reason == "pool":
+        return "pool short" + (f", down to its floor of {c.budget_blocks}" if c.budget_blocks else "")
+    return "at its budget" + (f" of {c.budget_blocks}" if c.budget_blocks else "")
+
+
+def budget_cell(r: RequestInfo) -> str:
+    """A request's budget (its floor under elastic budgets) / the blocks it holds, and why it was last
+    compressed ("budget" or "pool"): "8/31 pool". A full-KV engine has no budget: "-/31"."""
+    budget = "-" if r.kv_budget is None else str(r.kv_budget)
+    return f"{budget}/{len(r.block_table)}" + (f" {r.compressed_for}" if r.compressed_for else "")
 
 
 class RoleStyled(Static):
@@ -144,8 +160,10 @@ class BlockTable(RoleStyled):
             text.append("no request holds blocks right now\n", self.style_for("dim"))
         for r in sorted(self.requests, key=lambda r: r.id):
             text.append(f"#{r.id} {r.session or '-'} ", "bold")
+            budget = f" · budget {r.kv_budget}" if r.kv_budget is not None else ""
             squeezed = f" · compressed {r.times_compressed}×" if r.times_compressed else ""
-            text.append(f"{r.status} · kv {r.kv_len}{squeezed}\n", self.style_for("dim"))
+            why = " (pool short)" if squeezed and r.compressed_for == "pool" else ""
+            text.append(f"{r.status} · kv {r.kv_len}{budget}{squeezed}{why}\n", self.style_for("dim"))
             for role in r.block_roles:
                 text.append(GLYPHS[role] + " ", self.style_for(f"role--{role}"))
             text.append("\n")
