@@ -63,6 +63,20 @@ def test_a_budget_above_the_context_matches_full_kv_and_runs_are_deterministic(t
     assert _cells(TINY_RUNS[task](tiny_path, **kw)) == cells
 
 
+def test_elastic_budgets_in_a_pool_of_a_given_share(tiny_path):
+    """--set pool_share=X sizes each group's pool from what its samples hold in full: with all of it,
+    elastic budgets compress nothing and score as full KV; with half, the pool is short and they do."""
+    kw = dict(block_size=16, window=4, budgets=ec.parse_budgets("1"), configurations=["default"])
+    rich = _cells(TINY_RUNS["recall"](tiny_path, settings={"budget_policy": "elastic", "pool_share": 1}, **kw))
+    short = _cells(TINY_RUNS["recall"](tiny_path, settings={"budget_policy": "elastic", "pool_share": 0.5}, **kw))
+    full = {k: v for k, v in rich[ec.FULL_KV]["1 blocks"].items() if k != "compressions"}
+    assert rich["default"]["1 blocks"]["compressions"] == 0
+    assert {k: v for k, v in rich["default"]["1 blocks"].items() if k != "compressions"} == full
+    assert short["default"]["1 blocks"]["compressions"] > 0
+    requests = [ec.Request(prompt=[1] * 20, free_tokens=13), ec.Request(prompt=[1] * 5, free_tokens=1)]
+    assert ec.pool_blocks(requests, 16, 1) == 3 + 1 and ec.pool_blocks(requests, 16, 0.5) == 2
+
+
 def test_full_kv_is_computed_once_and_reused(tiny_path, tmp_path):
     kw = dict(block_size=16, window=4, budgets=NEVER, configurations=["default"])
     TINY_RUNS["recall"](tiny_path, **kw)
@@ -170,6 +184,8 @@ def test_budget_parsing():
     (lambda: ec.parse_settings(["bogus=1"]), "unknown engine knob 'bogus'"),
     (lambda: ec.parse_settings(["recent_share=2"]), "recent_share=2"),
     (lambda: ec.parse_settings(["prompt_share=1"]), "prompt_share=1"),
+    (lambda: ec.parse_settings(["pool_share=0"]), "pool_share=0"),
+    (lambda: ec.parse_settings(["pool_share=true"]), "pool_share=True"),
     (lambda: ec.split_indices(16, "train"), "split 'train'"),
     (lambda: needle.run("random:llama-tiny", depths=[101]), "--depth 101"),
     (lambda: recall.run("random:llama-tiny", num_samples=0), "--num-samples 0"),
