@@ -127,3 +127,14 @@ def wait_until_idle(server: Server) -> dict:
         return snapshot if pool_idle(snapshot) else None
 
     return wait_for(idle, what="every request to end and its blocks to be freed")
+
+
+def scrape(server) -> dict:
+    """{(name, labels): value} from /metrics, through the Prometheus parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.client() as http:
+        response = http.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from console_helpers import KNOBS, help_text, type_line, wait_for as pilot_wait_for
-from serve_helpers import (API_KEY, MODEL, pool_idle, start_server, stop_server, wait_for, wait_until_idle)
+from serve_helpers import API_KEY, MODEL, pool_idle, scrape, start_server, stop_server, wait_for, wait_until_idle
 from zipage.cli.chat import ChatApp
 from zipage.cli.main import app as cli
 from zipage.cli.plain_chat import Conversation, run_plain
@@ -146,6 +146,8 @@ def test_elastic_server_compresses_to_each_floor_when_the_pool_is_short(tmp_path
             snapshot = wait_for(squeezed_by_the_pool, what="a pool compression of every stream")
         assert {r["id"]: r["kv_budget"] for r in snapshot["requests"] if r["id"] in floors} == floors
         assert snapshot["totals"]["preemptions"] == 0 and snapshot["totals"]["pool_compressions"] >= 4
+        metrics = scrape(server)
+        assert metrics[("zipage_pool_compressions_total", ())] >= 4 and metrics[("zipage_preemptions_total", ())] == 0
         for request_id, floor in floors.items():
             compressions = compressions_of(snapshot, request_id)
             assert compressions and all(c["reason"] == "pool" and c["budget_blocks"] == floor for c in compressions)

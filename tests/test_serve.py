@@ -9,11 +9,10 @@ import threading
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from zipage.engine import LLM, SamplingParams
 from zipage.engine.events import snapshot_from_dict
-from serve_helpers import API_KEY, MODEL, start_server, stop_server, wait_for, wait_until_idle
+from serve_helpers import API_KEY, MODEL, scrape, start_server, stop_server, wait_for, wait_until_idle
 
 LONG = 5000  # output tokens of a request meant to be cut short (compression keeps its KV bounded)
 
@@ -283,15 +282,6 @@ def test_unknown_path_gets_openai_shaped_404(server):
     with server.client() as http:
         response = http.get("/v1/nothing")
     assert response.status_code == 404 and "Not Found" in response.json()["error"]["message"]
-
-
-def scrape(server) -> dict:
-    """{(name, labels): value} from /metrics, through the Prometheus parser."""
-    with server.client() as http:
-        response = http.get("/metrics")
-    assert response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def test_metrics_count_what_the_requests_did(server, client):

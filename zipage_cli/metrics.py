@@ -30,6 +30,8 @@ TOTALS = {
     "prefix_hit_tokens": ("zipage_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
     "preemptions": ("zipage_preemptions", "Requests preempted for lack of KV blocks."),
     "compressions": ("zipage_compressions", "KV compressions completed."),
+    "pool_compressions": ("zipage_pool_compressions",
+                          "KV compressions run because the pool was short (elastic budgets), of all compressions."),
 }
 
 
