@@ -1,4 +1,4 @@
-"""The compression pipeline: scores -> keep set -> compaction (DESIGN section 3).
+"""The compression pipeline: scores -> keep set -> compaction (docs/design-notes.md, "Compression").
 
 A compression is planned on the engine thread (which blocks become targets, which are released),
 executed as pure tensor work (possibly on a worker thread, beside decoding), and applied back on

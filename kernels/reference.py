@@ -105,7 +105,7 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
 
 
 # ---------------------------------------------------------------------------------------------
-# Compression: scoring, selection and compaction (DESIGN section 3). Scores are float32 [kv_heads, tokens].
+# Compression: scoring, selection and compaction (docs/design-notes.md, "Compression"). Scores are float32 [kv_heads, tokens].
 
 
 def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

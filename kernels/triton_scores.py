@@ -1,4 +1,4 @@
-"""Triton scoring and selection kernels for compression (DESIGN section 3): window attention score,
+"""Triton scoring and selection kernels for compression (docs/design-notes.md, "Compression"): window attention score,
 max-pooling, global score merge, redundancy (raw and lightning) and the top-k keep set.
 Scores are float32 [kv_heads, tokens]; signatures and semantics are those of kernels.reference."""
 
