@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 
-from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore
 from zipage.engine.loader import resolve_model
 
@@ -59,7 +59,7 @@ def measure(source, compression: bool, args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--pool-blocks", type=int, default=400)

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from zipage.engine.config import DEFAULT_MODEL
+
 
 def timed(fn, repeats: int = 50) -> float:
     """Median milliseconds of `fn()` over `repeats` calls, after one untimed call."""
@@ -104,7 +106,7 @@ def attention_alone(context: int, block_size: int, q_heads: int, kv_heads: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")

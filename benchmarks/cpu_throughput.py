@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from zipage.engine.config import DEFAULT_MODEL
+
 PROMPTS = [
     "Explain how a hash map works.", "Write a short poem about autumn.", "What causes the tides?",
     "Give three tips for learning a new language.", "How does a bicycle stay upright?",
@@ -113,7 +115,7 @@ def interleaved(runs: dict, repeats: int) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

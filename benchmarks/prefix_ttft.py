@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from zipage import LLM, SamplingParams
+from zipage.engine.config import DEFAULT_MODEL
 
 
 def make_llm(args, prefix_caching: bool) -> LLM:
@@ -42,7 +43,7 @@ def run_once(llm: LLM, args, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--budget-blocks", type=int, default=32, help="budget n in blocks (32 x 32 = 1024 tokens)")

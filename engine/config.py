@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 EVICTION_POLICIES = ("score", "random", "recent")
 BUDGET_POLICIES = ("fixed", "elastic")  # docs/design-notes.md, "Budgets"
+DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
 
@@ -36,7 +37,7 @@ def _fail(name: str, value, why: str) -> None:
 class EngineConfig:
     """Engine configuration. Every keyword of `LLM(...)` and `EngineThread(...)` is a field here."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str | None = None  # "cpu" | "cuda" | None (auto)
     dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (bf16 on GPU, fp32 on CPU)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.events import EngineSnapshot
 
@@ -36,7 +36,7 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer

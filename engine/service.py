@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Callable
 
-from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core import EngineCore, RequestOutput
 from zipage.engine.events import EngineSnapshot, Event
 
@@ -151,7 +151,7 @@ class EngineClosed(RuntimeError):
 class EngineThread:
     """`EngineThread(model, **knobs)`: submit / stream / abort / snapshot / subscribe / close."""
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer

@@ -9,13 +9,14 @@ import typer
 from rich.console import Console
 
 from zipage.cli import eval_common as ec
+from zipage.engine.config import DEFAULT_MODEL
 
 eval_app = typer.Typer(help="Measure answer quality under compression: a basket of tasks, each against full KV "
                             "and two baselines at equal budgets.", no_args_is_help=True)
 err = Console(stderr=True)
 
 SHARED = [
-    ("model", str, "smollm2-135m", "Model to evaluate."),
+    ("model", str, DEFAULT_MODEL, "Model to evaluate."),
     ("split", str, "report", "Samples: 'selection' (to tune on) or 'report' (seeded, disjoint)."),
     ("budgets", str, "25%,50%,75%", "KV budgets, comma-separated: shares of each sample's context (50%) or blocks (8)."),
     ("configurations", str, None, f"Rows separated by ';' (default: {'; '.join(ec.SUITE)}). "

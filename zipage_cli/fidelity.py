@@ -18,6 +18,7 @@ import math
 import torch
 
 from zipage.cli import eval_common as ec
+from zipage.engine.config import DEFAULT_MODEL
 
 PROMPTS = [
     "A train leaves at 3:40 pm and arrives at 6:15 pm. How long is the trip? Think step by step.",
@@ -106,7 +107,7 @@ def cell(metrics: dict) -> str:
     return f"{metrics['score'] * 100:.1f}% / {metrics['mean_kl']:.4f}"
 
 
-def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 4, tokens: int = DEFAULT_TOKENS,
+def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 4, tokens: int = DEFAULT_TOKENS,
         budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:

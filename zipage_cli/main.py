@@ -12,6 +12,7 @@ from rich.table import Table
 
 from zipage.cli.eval_cli import eval_app
 from zipage.cli.options import engine_options
+from zipage.engine.config import DEFAULT_MODEL
 
 app = typer.Typer(
     name="zipage",
@@ -272,7 +273,7 @@ def chat(
             _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
                           system)
         else:
-            _run_chat_app(lambda: _engine_thread(engine_kwargs), engine_kwargs.get("model", "smollm2-135m"), theme,
+            _run_chat_app(lambda: _engine_thread(engine_kwargs), engine_kwargs.get("model", DEFAULT_MODEL), theme,
                           sessions, temperature, max_tokens, system)
         return
     engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(engine_kwargs)
@@ -415,7 +416,7 @@ def bench(
         err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
         raise typer.Exit(2)
     _check_writable(json_path, "--json")
-    model = engine_kwargs.pop("model", "smollm2-135m")
+    model = engine_kwargs.pop("model", DEFAULT_MODEL)
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn(), console=err) as bar:
         total = num_requests * output_len * repeats

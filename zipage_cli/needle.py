@@ -15,6 +15,7 @@ from collections import defaultdict
 
 from zipage.cli import eval_common as ec
 from zipage.cli.eval_text import filler_sentences, filler_tokens
+from zipage.engine.config import DEFAULT_MODEL
 
 KEYS = ["lemon", "falcon", "granite", "violet", "harbor", "cobalt", "maple", "tiger", "saffron", "glacier",
         "orchid", "copper", "meadow", "raven", "walnut", "comet", "juniper", "otter", "amber", "thistle"]
@@ -98,7 +99,7 @@ def build(tokenizer, split: str, num_samples: int, lengths, depths) -> tuple[ec.
     return task, meta
 
 
-def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 1, lengths=DEFAULT_LENGTHS,
+def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 1, lengths=DEFAULT_LENGTHS,
         depths=DEFAULT_DEPTHS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from zipage.cli import eval_common as ec
 from zipage.cli.eval_text import filler_tokens
 from zipage.cli.needle import exact_match
+from zipage.engine.config import DEFAULT_MODEL
 
 KEYS = ["north", "river", "garden", "silver", "harbor", "tower", "forest", "crystal", "desert", "island",
         "copper", "winter", "summit", "valley", "canyon", "meadow"]
@@ -55,7 +56,7 @@ def build(tokenizer, split: str, num_samples: int, tokens: int) -> ec.Task:
     return ec.Task(name="recall", groups=[requests], score=score)
 
 
-def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 8, tokens: int = DEFAULT_TOKENS,
+def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 8, tokens: int = DEFAULT_TOKENS,
         budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:

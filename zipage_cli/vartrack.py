@@ -15,6 +15,7 @@ import string
 
 from zipage.cli import eval_common as ec
 from zipage.cli.eval_text import filler_sentences, filler_tokens
+from zipage.engine.config import DEFAULT_MODEL
 from zipage.cli.needle import exact_match
 
 DEFAULT_LENGTH = 512
@@ -68,7 +69,7 @@ def build(tokenizer, split: str, num_samples: int, length: int, hops: int) -> ec
     return ec.Task(name="vartrack", groups=[requests], score=score)
 
 
-def run(model: str = "smollm2-135m", split: str = "report", num_samples: int = 12, length: int = DEFAULT_LENGTH,
+def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 12, length: int = DEFAULT_LENGTH,
         hops: int = DEFAULT_HOPS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
         progress: ec.Progress | None = None) -> dict:
