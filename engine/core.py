@@ -155,15 +155,28 @@ class EngineCore:
         if self.closed:
             raise RuntimeError("engine is closed")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
-                    stream: bool = False) -> Sequence:
-        self.check_open()
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's SamplingParams (the defaults for None), checked for this engine: their values,
+        and a kv_budget it can hold. ValueError otherwise."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self.check_budget(params.kv_budget)
-        ids = self.check_prompt(self.encode_prompt(prompt))
+        return params
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+                    stream: bool = False) -> Sequence:
+        """Check a request (`check_params`, `check_prompt`) and queue it; ValueError queues nothing."""
+        self.check_open()
+        params = self.check_params(params)
+        return self.enqueue(self.check_prompt(self.encode_prompt(prompt)), params, session=session, stream=stream)
+
+    def enqueue(self, ids: list[int], params: SamplingParams, *, session: str | None = None,
+                stream: bool = False) -> Sequence:
+        """Queue a request already checked (front doors check every request of a call before queueing
+        any of them, so they validate once, here in the engine's terms)."""
+        self.check_open()
         seq = Sequence(ids, params, session=session, stream_seed=_stream_seed(self.config.seed, self.num_added))
         self.num_added += 1
         self.requests[seq.id] = seq

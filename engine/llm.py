@@ -61,7 +61,7 @@ class LLM:
         for i, sp in enumerate(param_list):
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"params[{i}] must be SamplingParams, got {type(sp).__name__}")
-            sp.validate()
+            self.engine.check_params(sp)
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"got {len(sessions)} sessions for {len(prompts)} prompts")
         self.engine.check_open()
@@ -69,7 +69,7 @@ class LLM:
         seqs = []
         try:
             for i, (p, sp) in enumerate(zip(ids, param_list)):
-                seqs.append(self.engine.add_request(p, sp, session=sessions[i] if sessions else None))
+                seqs.append(self.engine.enqueue(p, sp, session=sessions[i] if sessions else None))
             return self._run_until_done(seqs)
         except BaseException:  # Ctrl+C or a failure: nothing of this call is left running
             for seq in seqs:

@@ -187,11 +187,8 @@ class EngineThread:
         an event loop. It must return quickly; if it raises, this request ends with finish_reason "error"
         (the others keep running)."""
         self._check_open()
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        ids = self.engine.prompts.read(prompt)
+        params = self.engine.check_params(params)  # static checks: safe from the caller's thread
+        ids = self.check_prompt(prompt)
         ok, value = self._call("submit", (ids, params, session, on_output))
         if not ok:
             raise value
@@ -359,11 +356,7 @@ class EngineThread:
     def _handle_message(self, kind: str, payload, reply) -> None:
         if kind == "submit":
             ids, params, session, on_output = payload
-            try:
-                seq = self.engine.add_request(ids, params, session=session, stream=True)
-            except ValueError as e:
-                reply.put((False, e))
-                return
+            seq = self.engine.enqueue(ids, params, session=session, stream=True)  # submit checked it
             handle = RequestHandle(seq.id, session, seq.num_prompt_tokens, on_output)
             self._handles[seq.id] = handle
             reply.put((True, handle))

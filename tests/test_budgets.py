@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from compression_helpers import assert_drained, build_random_model, greedy, make_engine, random_prompts, run
+from compression_helpers import SMALL_BUDGET, assert_drained, build_random_model, greedy, make_engine, random_prompts, run
 from zipage.engine import SamplingParams
 
 torch.set_num_threads(1)
@@ -209,3 +209,17 @@ def test_a_waiting_prompt_is_admitted_by_compressing_the_running_one(model_path)
         assert compressed[0].blocks_before == 4 and compressed[0].blocks_after == 3
     finally:
         engine.close()
+
+
+def test_generate_checks_every_budget_before_it_runs_anything(model_path):
+    from zipage.engine import LLM
+
+    llm = LLM(model_path, **SMALL_BUDGET, num_kv_blocks=10)
+    try:
+        params = [greedy(4), greedy(4, kv_budget=2), greedy(4, kv_budget=10)]
+        with pytest.raises(ValueError, match="kv_budget=10"):
+            llm.generate([[1, 2, 3]] * 3, params)
+        assert llm.engine.num_added == 0 and not llm.engine.scheduler.has_work()
+        assert [len(o.token_ids) for o in llm.generate([[1, 2, 3]] * 2, params[:2])] == [4, 4]
+    finally:
+        llm.close()

@@ -123,10 +123,10 @@ def test_the_message_a_failing_engine_was_handling_is_answered(tiny_path, call):
             svc.engine.step = broken_step
             got = bounded_call(lambda: svc.step_once(timeout=HANG))
         else:
-            def broken_add_request(*args, **kwargs):
+            def broken_enqueue(*args, **kwargs):
                 raise RuntimeError("injected step failure")
 
-            svc.engine.add_request = broken_add_request
+            svc.engine.enqueue = broken_enqueue
             got = bounded_call(lambda: svc.submit("hello", greedy(2)))
         assert isinstance(got.get("error"), EngineClosed), got
         assert "injected step failure" in str(got["error"])
