@@ -148,9 +148,7 @@ class Compressor:
         device, bs = self.runner.device, self.block_size
         keep = keep or self.geometry.budget_tokens
         table = torch.tensor(source_table, dtype=torch.int64, device=device)
-        window_rows = torch.tensor(
-            [query_slot * self.window + j % self.window for j in range(kv_len - self.window, kv_len)],
-            dtype=torch.int64, device=device)
+        window_rows = torch.tensor(self.geometry.scoring_rows(query_slot, kv_len), dtype=torch.int64, device=device)
         dst = torch.tensor([b * bs + o for b in targets for o in range(bs)], dtype=torch.int64, device=device)
         lead, recent = self.protected(prompt_tokens, decoding, keep)
         kept = torch.tensor([lead, recent], dtype=torch.int64, device=device)

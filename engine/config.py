@@ -181,11 +181,6 @@ class EngineConfig:
         fits = num_prompt_tokens <= int(self.prompt_share * budget_tokens)
         return num_prompt_tokens if self.eviction == "score" and fits else 0
 
-    @property
-    def max_blocks_per_seq_compressed(self) -> int:
-        """N_max = n + 1: the budget plus one block to decode into."""
-        return self.max_cache_blocks_per_seq + 1
-
 
 @dataclass
 class SamplingParams:

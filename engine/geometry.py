@@ -137,9 +137,17 @@ class CompressionGeometry:
         w = self.window
         if self.elastic:
             first = max(kv_start, kv_start + count - w)
-            return [-1] * (first - kv_start) + [slot * w + j % w for j in range(first, kv_start + count)]
+            return [-1] * (first - kv_start) + [self.ring_row(slot, j) for j in range(first, kv_start + count)]
         end = self.next_point(seq)
-        return [slot * w + j % w if end - w <= j < end else -1 for j in range(kv_start, kv_start + count)]
+        return [self.ring_row(slot, j) if end - w <= j < end else -1 for j in range(kv_start, kv_start + count)]
+
+    def ring_row(self, slot: int, kv_index: int) -> int:
+        """The query-cache row of KV entry `kv_index` in query slot `slot`: each slot is a ring of w rows."""
+        return slot * self.window + kv_index % self.window
+
+    def scoring_rows(self, slot: int, kv_len: int) -> list[int]:
+        """The rows a compression at KV length kv_len reads: the queries of its newest w entries."""
+        return [self.ring_row(slot, j) for j in range(kv_len - self.window, kv_len)]
 
     def window_row(self, seq, kv_index: int) -> int:
         """Query-cache row of KV entry `kv_index` computed alone (as a decode step computes it)."""

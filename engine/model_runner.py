@@ -116,7 +116,7 @@ class ModelRunner:
 
         self.compression = config.compression
         self.window = config.window
-        self.geometry = geometry  # where window queries go (rank 0 only: the others get packed rows)
+        self.geometry = geometry  # compression lengths: pool sizing, and where window queries go
         # Every rank holds the same blocks and slots: the fewest any of them has room for.
         self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
         self._allocate_pool()
@@ -186,7 +186,7 @@ class ModelRunner:
         """(blocks, query slots). Slots and blocks share one budget:
         M * (N_max * block_bytes + query_slot_bytes) <= KV memory."""
         cfg = self.config
-        n_max = cfg.max_blocks_per_seq_compressed
+        n_max = self.geometry.max_blocks if self.geometry is not None else 1  # blocks of one compressed request
         if cfg.num_kv_blocks is not None:
             blocks = cfg.num_kv_blocks
             slots = cfg.num_query_slots or max(1, blocks // n_max)

@@ -117,6 +117,7 @@ class TensorParallelWorkers:
 def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_spec: str, block_size: int,
                  max_model_len: int, threads: int, ready) -> None:
     from zipage.engine.compressor import Compressor
+    from zipage.engine.geometry import CompressionGeometry
     from zipage.engine.loader import resolve_model
     from zipage.engine.model_runner import ModelRunner
 
@@ -129,8 +130,9 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_sp
     control = _join_group(rank, size, port, config.device)
     try:
         tp = TensorParallel(rank, size, dist.group.WORLD)
-        runner = ModelRunner(config, resolve_model(model_spec), block_size, max_model_len, tp)
-        compressor = Compressor(config, runner, None, block_size) if config.compression else None
+        geometry = CompressionGeometry.from_config(config, block_size) if config.compression else None
+        runner = ModelRunner(config, resolve_model(model_spec), block_size, max_model_len, tp, geometry)
+        compressor = Compressor(config, runner, None, block_size, geometry) if config.compression else None
         if compressor is not None and runner.device.type == "cuda" and not config.enforce_eager:
             compressor.capture_graphs()
         while True:
