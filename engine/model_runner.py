@@ -92,7 +92,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
 
         if self.device.type == "cuda":
-            import zipage.kernels.triton_ops  # noqa: F401  registers the Triton kernels behind the dispatch seam
+            kernels.use_triton()
         torch.manual_seed(config.seed)
         # Build straight on the device in the serving dtype: no full-precision copy in host memory.
         previous_dtype = torch.get_default_dtype()

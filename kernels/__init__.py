@@ -32,6 +32,7 @@ def _dispatch(name: str):
                 return impl(*args, **kwargs)
         return ref(*args, **kwargs)
 
+    call.dispatched = True
     return call
 
 
@@ -54,9 +55,20 @@ norm_linear = _dispatch("norm_linear")
 silu_mul_linear = _dispatch("silu_mul_linear")
 gather_kv = reference.gather_kv
 
+# Every kernel behind the seam, by name: the one list kernels.triton_ops registers from.
+DISPATCHED = tuple(name for name, fn in list(globals().items()) if getattr(fn, "dispatched", False))
+
 SKINNY_NAMES = ("linear", "norm_linear", "silu_mul_linear")
 
 
 def skinny_registered() -> bool:
     """The skinny products (and their fused prologues) have Triton implementations registered."""
     return all(name in TRITON_IMPLS for name in SKINNY_NAMES)
+
+
+def use_triton() -> list[str]:
+    """Register the Triton kernels behind the seam, where Triton and CUDA are usable; the names
+    registered (none otherwise: the PyTorch reference path stays)."""
+    from zipage.kernels import triton_ops
+
+    return triton_ops.register()

@@ -12,10 +12,7 @@ import torch
 
 from zipage import kernels
 
-NAMES = ("store_kv", "store_queries", "paged_decode_attention", "prefill_attention",
-         "window_attention_score", "pool_scores", "global_score_merge", "redundancy_score",
-         "keep_indices", "compact_kv", "rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store",
-         "linear", "norm_linear", "silu_mul_linear")
+NAMES = kernels.DISPATCHED  # every kernel behind the seam has a Triton implementation
 
 IMPLS: dict[str, object] = {}  # name -> Triton function (empty when Triton cannot be imported)
 IMPORT_ERROR: BaseException | None = None
