@@ -166,18 +166,23 @@ class EngineCore:
         return params
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
-                    stream: bool = False) -> Sequence:
-        """Check a request (`check_params`, `check_prompt`) and queue it; ValueError queues nothing."""
+                    stream: bool = False, forced_tokens: list[int] | None = None) -> Sequence:
+        """Check a request (`check_params`, `check_prompt`) and queue it; ValueError queues nothing.
+        `forced_tokens` (evaluation, teacher forcing): the output's first tokens, fed to the model in
+        place of what it samples (the logits observer still sees what it would have sampled from)."""
         self.check_open()
         params = self.check_params(params)
-        return self.enqueue(self.check_prompt(self.encode_prompt(prompt)), params, session=session, stream=stream)
+        forced_tokens = self.encode_prompt(list(forced_tokens)) if forced_tokens else None  # ids in the vocabulary
+        return self.enqueue(self.check_prompt(self.encode_prompt(prompt)), params, session=session, stream=stream,
+                            forced_tokens=forced_tokens)
 
     def enqueue(self, ids: list[int], params: SamplingParams, *, session: str | None = None,
-                stream: bool = False) -> Sequence:
+                stream: bool = False, forced_tokens: list[int] | None = None) -> Sequence:
         """Queue a request already checked (front doors check every request of a call before queueing
         any of them, so they validate once, here in the engine's terms)."""
         self.check_open()
         seq = Sequence(ids, params, session=session, stream_seed=_stream_seed(self.config.seed, self.num_added))
+        seq.forced_tokens = forced_tokens
         self.num_added += 1
         self.requests[seq.id] = seq
         if stream or params.stop:
@@ -187,6 +192,11 @@ class EngineCore:
         self.latency.arrived()
         self.totals["prompt_tokens"] += len(ids)
         return seq
+
+    def observe_logits(self, observer) -> None:
+        """Evaluation: `observer(seq, logits_row)` sees the float32 logits of every row a step samples
+        from, before sampling (None stops it). Its steps run without overlap, so it sees each in turn."""
+        self.runner.logits_observer = observer
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now and free its blocks. Unknown or finished ids are ignored."""

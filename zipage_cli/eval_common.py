@@ -188,12 +188,11 @@ def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=No
     index: dict[int, int] = {}
     for i, req in enumerate(requests):
         n = len(req.forced) + req.free_tokens
-        seq = engine.add_request(req.prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        if req.forced:
-            seq.forced_tokens = list(req.forced)
+        seq = engine.add_request(req.prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                                 forced_tokens=req.forced)
         index[seq.id] = i
     if observer is not None:
-        engine.runner.logits_observer = lambda seq, logits: observer(index[seq.id], seq, logits)
+        engine.observe_logits(lambda seq, logits: observer(index[seq.id], seq, logits))
     outputs: list[list[int]] = [[] for _ in requests]
     try:
         while engine.has_work():
@@ -204,7 +203,7 @@ def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=No
             if on_step is not None:
                 on_step(engine.totals["generated_tokens"] - made)
     finally:
-        engine.runner.logits_observer = None
+        engine.observe_logits(None)
     return outputs
 
 
