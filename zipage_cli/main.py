@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -22,6 +23,12 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 err = Console(stderr=True)
+
+
+def usage_error(message: str) -> NoReturn:
+    """Bad input on the command line: one red line on stderr and exit status 2, no traceback."""
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
 
 
 @app.command(epilog="Examples:\n\n  zipage generate \"Why is the sky blue?\"\n\n"
@@ -55,24 +62,20 @@ def generate(
 
     if prompt is None:
         if sys.stdin.isatty():
-            err.print("[red]error:[/] give a prompt as an argument or on standard input")
-            raise typer.Exit(2)
+            usage_error("give a prompt as an argument or on standard input")
         data = sys.stdin.buffer.read()
         try:
             prompt = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            err.print(f"[red]error:[/] standard input is not valid UTF-8: {e}")
-            raise typer.Exit(2)
+            usage_error(f"standard input is not valid UTF-8: {e}")
     if not prompt.strip():
-        err.print("[red]error:[/] the prompt is empty; give some text to answer")
-        raise typer.Exit(2)
+        usage_error("the prompt is empty; give some text to answer")
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed,
                                 kv_budget=_blocks(kv_budget, "--kv-budget"))
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
     service = _load_engine(engine_kwargs)
     handle = None
     try:
@@ -98,8 +101,7 @@ def generate(
             err.print(f"{len(out.token_ids)} tokens in {seconds:.2f} s "
                       f"({len(out.token_ids) / seconds:.1f} tok/s), finish: {out.finish_reason}")
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not break the clean-up below
         if handle is not None:
@@ -171,15 +173,13 @@ def _load_engine(engine_kwargs: dict, start=None):
                 start = lambda kwargs: EngineThread(**kwargs)  # noqa: E731
             engine = start(engine_kwargs)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
     except RuntimeError as e:
         from zipage.engine.loader import ModelUnavailable  # loaded already by whatever raised
         from zipage.engine.process import EngineGone
 
         if isinstance(e, ModelUnavailable):  # the built-in model is missing and could not be downloaded
-            err.print(f"[red]error:[/] {e}")
-            raise typer.Exit(2)
+            usage_error(f"{e}")
         if not isinstance(e, EngineGone):
             raise
         err.print(f"[red]error:[/] {e}")  # the engine's own process did not come up
@@ -200,15 +200,12 @@ def _attach(url: str, api_key: str | None, engine_kwargs: dict):
 
     if engine_kwargs:
         options = ", ".join("--" + k.replace("_", "-") for k in engine_kwargs)
-        err.print(f"[red]error:[/] engine options ({options}) configure a local engine; with --attach the server's "
-                  "engine is used")
-        raise typer.Exit(2)
+        usage_error(f"engine options ({options}) configure a local engine; with --attach the server's engine is used")
     try:
         with err.status(f"connecting to {url}..."):
             return RemoteEngine(url, api_key)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
 
 
 ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http://127.0.0.1:8000)."
@@ -221,11 +218,9 @@ def _check_writable(path: str | None, option: str) -> None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        err.print(f"[red]error:[/] {option} {path}: the folder {folder!r} does not exist")
-        raise typer.Exit(2)
+        usage_error(f"{option} {path}: the folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        err.print(f"[red]error:[/] {option} {path}: not writable")
-        raise typer.Exit(2)
+        usage_error(f"{option} {path}: not writable")
 
 
 def _check_theme(theme: str) -> None:
@@ -234,8 +229,7 @@ def _check_theme(theme: str) -> None:
     try:
         check_theme(theme)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
 
 
 @app.command(epilog="Examples:\n\n  zipage chat\n\n"
@@ -266,8 +260,7 @@ def chat(
     try:
         SamplingParams(temperature=temperature, max_tokens=max_tokens)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():
         if attach:
             _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
@@ -302,8 +295,7 @@ def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperatur
         if app.engine is not None:
             app.engine.close()
     if app.load_error is not None:
-        err.print(f"[red]error:[/] {app.load_error}")
-        raise typer.Exit(2)
+        usage_error(f"{app.load_error}")
 
 
 @app.command(epilog="Examples:\n\n  zipage top\n\n"
@@ -334,8 +326,7 @@ def top(
     _check_theme(theme)
     if attach:
         if teach or prompts:
-            err.print("[red]error:[/] --teach and --prompts need a local engine; leave them out with --attach")
-            raise typer.Exit(2)
+            usage_error("--teach and --prompts need a local engine; leave them out with --attach")
         engine = _attach(attach, api_key, engine_kwargs)
         try:
             TopApp(engine, None, theme).run()
@@ -345,16 +336,14 @@ def top(
     try:
         texts = read_prompts(prompts) if prompts else None
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        usage_error(f"{e}")
     engine = _load_engine(engine_kwargs)
     try:
         if texts is not None:
             try:
                 check_prompts(engine, texts, prompts)
             except ValueError as e:
-                err.print(f"[red]error:[/] {e}")
-                raise typer.Exit(2)
+                usage_error(f"{e}")
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=texts is None)
         source = prompt_source(engine, texts, input_len, engine.config.seed)
         TopApp(engine, LoadGenerator(engine, source, params, concurrency, rate), theme, teach).run()
@@ -413,8 +402,7 @@ def bench(
 
     bad = [m for m in mode if m not in MODES]
     if bad:
-        err.print(f"[red]error:[/] unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
-        raise typer.Exit(2)
+        usage_error(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     _check_writable(json_path, "--json")
     model = engine_kwargs.pop("model", DEFAULT_MODEL)
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
@@ -430,8 +418,7 @@ def bench(
             results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress,
                                 repeats=repeats, note=lambda line: bar.console.print(f"[yellow]note:[/] {line}"))
         except ValueError as e:
-            err.print(f"[red]error:[/] {e}")
-            raise typer.Exit(2)
+            usage_error(f"{e}")
         except RuntimeError as e:  # a mode failed to run
             err.print(f"[red]error:[/] {e}")
             raise typer.Exit(1)
