@@ -203,8 +203,10 @@ class Scheduler:
     def _needs_block_soon(self, seq: Sequence) -> bool:
         """Whether a decoding request needs a new block within the next block_size / 8 steps: elastic
         budgets compress that far ahead, so the compaction lands before the block is due and the step
-        that needs it still finds one free (and can be planned while the previous step runs)."""
-        lookahead = max(1, self.blocks.block_size // 8)
+        that needs it still finds one free (and can be planned while the previous step runs). Steps it
+        will not take (it stops at max_tokens or max_model_len first) need nothing."""
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        lookahead = min(max(1, self.blocks.block_size // 8), max(1, left))
         return seq.kv_len + lookahead > len(seq.block_table) * self.blocks.block_size
 
     def _blocks_short(self, decoders: list[Sequence]) -> int:

@@ -223,3 +223,17 @@ def test_generate_checks_every_budget_before_it_runs_anything(model_path):
         assert [len(o.token_ids) for o in llm.generate([[1, 2, 3]] * 2, params[:2])] == [4, 4]
     finally:
         llm.close()
+
+
+def test_elastic_in_a_pool_that_holds_every_request_exactly_compresses_nothing(model_path):
+    """The pool holds each request's full length and not a block more: looking ahead for blocks must
+    not count the steps a request never takes (it stops at max_tokens), or it compresses for nothing."""
+    prompts = random_prompts(4, [10], seed=9)
+    outputs = [54] * 4  # each request 64 tokens long (two blocks of 32), all ending in the same step
+    pool = sum(-(-(len(p) + n) // 32) for p, n in zip(prompts, outputs))
+    elastic, totals, _, _ = serve(model_path, prompts, [greedy(n, kv_budget=1) for n in outputs], num_kv_blocks=pool,
+                                  budget_policy="elastic", block_size=32, num_query_slots=4)
+    full, _, _, _ = serve(model_path, prompts, [greedy(n) for n in outputs], num_kv_blocks=pool, compression=False,
+                          block_size=32)
+    assert totals["compressions"] == 0 and totals["preemptions"] == 0
+    assert [o.token_ids for o in elastic] == [o.token_ids for o in full]
