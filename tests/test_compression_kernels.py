@@ -1,5 +1,5 @@
 """The compression kernels of kernels/reference.py (scoring, selection, compaction) against naive
-references written here from the definitions in DESIGN section 3. Loops over heads, queries and
+references written here from the definitions in docs/design-notes.md ("The score"). Loops over heads, queries and
 tokens are deliberate: they are slow but obviously right at these sizes."""
 
 from __future__ import annotations
