@@ -1,5 +1,5 @@
-"""Compressed PagedAttention in the engine (docs/design-notes.md, "The score" and "Compression"): token parity when nothing is
-compressed, the N_max bound and exact pool accounting under random workloads, the window that is
+"""Compressed PagedAttention in the engine (docs/design-notes.md, "The score" and "Compression"):
+token parity when nothing is compressed, the N_max bound and exact pool accounting under random workloads, the window that is
 always kept, shared prefix blocks never written, compressed requests never preempted, async vs
 sync compression, aborts during a compression, and what snapshots and events report.
 
