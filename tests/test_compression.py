@@ -1,7 +1,8 @@
 """Compressed PagedAttention in the engine (docs/design-notes.md, "The score" and "Compression"):
-token parity when nothing is compressed, the N_max bound and exact pool accounting under random workloads, the window that is
-always kept, shared prefix blocks never written, compressed requests never preempted, async vs
-sync compression, aborts during a compression, and what snapshots and events report.
+token parity when nothing is compressed, the N_max bound and exact pool accounting under random
+workloads, the window that is always kept, shared prefix blocks never written, compressed requests
+never preempted, async vs sync compression, aborts during a compression, and what snapshots and
+events report.
 
 The kernel-level tests (compaction, selection, scoring against naive references) live in
 test_compression_kernels.py. Engines here use block size 16, window 4..8 and budgets of 2..4 blocks so that compressions happen
