@@ -17,7 +17,7 @@ from zipage.engine.block_manager import BlockManager
 from zipage.engine.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.detokenizer import IncrementalDetokenizer
-from zipage.engine.geometry import CompressionGeometry
+from zipage.engine.geometry import CompressionGeometry, check_request_budget
 from zipage.engine.latency import LatencyMonitor
 from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, Admitted, Aborted,
                                   Compressed, EngineSnapshot, Event, Failed, Finished, MemoryInfo, PoolInfo, Preempted,
@@ -139,14 +139,8 @@ class EngineCore:
     def check_budget(self, kv_budget: int | None) -> None:
         """ValueError unless a request's own KV budget can run here: compression on, and its n + 1 blocks
         within the pool."""
-        if kv_budget is None:
-            return
-        if self.geometry is None:
-            raise ValueError(f"kv_budget={kv_budget}: this engine keeps every request's full KV (compression is off)")
-        if kv_budget + 1 > self.blocks.num_blocks:
-            raise ValueError(f"kv_budget={kv_budget}: a request may hold kv_budget + 1 blocks, and the KV pool "
-                             f"has {self.blocks.num_blocks}")
-        self.geometry.check_budget(kv_budget)
+        if kv_budget is not None:
+            check_request_budget(kv_budget, self.geometry, self.blocks.num_blocks)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.prompts.chat(messages)

@@ -158,3 +158,16 @@ class CompressionGeometry:
         entries (it held a query slot while computing them)."""
         return (seq.query_slot is not None and seq.kv_len > self.budget_tokens_of(seq)
                 and seq.kv_len - seq.window_from >= self.window)
+
+
+def check_request_budget(blocks: int, geometry: CompressionGeometry | None, pool_blocks: int,
+                         label: str = "", noun: str = "kv_budget") -> None:
+    """ValueError unless a request's own budget of `blocks` can run on an engine with this geometry (None:
+    compression off) and pool: its n + 1 blocks fit the pool, and it holds the entries always kept.
+    `label` starts the message (default "kv_budget=N"); `noun` names the budget in it."""
+    label = label or f"kv_budget={blocks}"
+    if geometry is None:
+        raise ValueError(f"{label}: this engine keeps every request's full KV (compression is off)")
+    if blocks + 1 > pool_blocks:
+        raise ValueError(f"{label}: a request may hold {noun} + 1 blocks, and the KV pool has {pool_blocks}")
+    geometry.check_budget(blocks)

@@ -14,7 +14,7 @@ from typing import TextIO
 
 from zipage.engine.config import SamplingParams
 from zipage.engine.core import PromptTooLong
-from zipage.engine.geometry import CompressionGeometry
+from zipage.engine.geometry import CompressionGeometry, check_request_budget
 from zipage.engine.service import EngineThread
 
 SETTING_COMMANDS = """\
@@ -125,12 +125,9 @@ def check_budget(engine, blocks: int) -> None:
     """ValueError unless `engine` (local or attached) can run a request with this KV budget: the checks
     the engine makes when a request comes (docs/design-notes.md, "Budgets"), made when the budget is set,
     so that a bad one is refused at once rather than at the next message."""
-    if not engine.config.compression:
-        raise ValueError(f"/budget {blocks}: this engine keeps every request's full KV (compression is off)")
     pool = engine.snapshot().pool
-    if blocks + 1 > pool.total:
-        raise ValueError(f"/budget {blocks}: a request may hold budget + 1 blocks, and the KV pool has {pool.total}")
-    CompressionGeometry.from_config(engine.config, pool.block_size).check_budget(blocks)
+    geometry = CompressionGeometry.from_config(engine.config, pool.block_size) if engine.config.compression else None
+    check_request_budget(blocks, geometry, pool.total, label=f"/budget {blocks}", noun="budget")
 
 
 def _number(arg: str, kind: type, command: str):
