@@ -16,8 +16,8 @@ import json
 import time
 
 from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
-from zipage.engine.core import EngineCore
-from zipage.engine.loader import resolve_model
+from zipage.engine.core.engine_core import EngineCore
+from zipage.engine.loading.loader import resolve_model
 
 PROMPT = "Think step by step and explain, in detail, how long division works, with three worked examples."
 

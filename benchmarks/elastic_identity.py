@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
 
     vocab = resolve_model(args.model).hf_config.vocab_size
     prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,

@@ -411,7 +411,7 @@ def _fake_runner(s: Sizes, gen, num_blocks: int):
 
 
 def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):
-    from zipage.engine.compressor import CompressionJob
+    from zipage.engine.kv.compressor import CompressionJob
 
     n = s.budget_blocks
     table = torch.randperm(num_blocks, generator=gen)[:n + 1].tolist()
@@ -425,7 +425,7 @@ def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):
 
 
 def _compressor(s: Sizes, runner):
-    from zipage.engine.compressor import Compressor
+    from zipage.engine.kv.compressor import Compressor
     from zipage.engine.config import EngineConfig
 
     config = EngineConfig(model="random:qwen3-tiny", compression=True, block_size=s.block_size,

@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
         print(f"skinny table: {len(load_table(args.skinny_table))} shapes from {args.skinny_table}", flush=True)
 
     from zipage.engine.config import EngineConfig
-    from zipage.engine.core import EngineCore
+    from zipage.engine.core.engine_core import EngineCore
 
     on_gpu = args.device != "cpu"
     results = {"model": args.model, "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,

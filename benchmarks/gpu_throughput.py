@@ -56,7 +56,7 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
     time. There finished requests are replaced at once, so the pool, not the drain of the last
     requests, sets concurrency: the steady state of a server under load."""
     from zipage.engine.config import EngineConfig, SamplingParams
-    from zipage.engine.core import EngineCore
+    from zipage.engine.core.engine_core import EngineCore
     from zipage.engine.events import Compressed
 
     engine_kwargs = dict(engine_kwargs, compression=mode != "fullkv")
@@ -132,7 +132,7 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
 def run_hf(model: str, prompts, outputs, log) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
 
     source = resolve_model(model)
     if source.is_random:
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
     args = parser.parse_args(argv)
 
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
     from zipage.cli.bench import kv_footprint
 
     vocab = resolve_model(args.model).hf_config.vocab_size

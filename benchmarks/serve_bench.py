@@ -46,8 +46,8 @@ from pathlib import Path
 import httpx
 
 from zipage.cli.bench import random_prompts
-from zipage.cli.eval_common import parse_settings
-from zipage.engine.loader import resolve_model
+from zipage.cli.eval.common import parse_settings
+from zipage.engine.loading.loader import resolve_model
 
 START_DEADLINE_S = 900.0
 

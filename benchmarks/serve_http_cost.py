@@ -75,7 +75,7 @@ class StandInEngine:
 
     @staticmethod
     def _output(seq, reason: str):
-        from zipage.engine.core import RequestOutput
+        from zipage.engine.core.outputs import RequestOutput
 
         n = seq.num_prompt_tokens
         return RequestOutput(seq.id, None, seq.token_ids[:n], seq.token_ids[n:], "", "", True, reason,
@@ -84,7 +84,7 @@ class StandInEngine:
 
 def run_stand_in(inbox, outbox, config, step_s: float) -> None:
     """The engine child's entry point, with the stand-in in place of EngineCore."""
-    from zipage.engine import process
+    from zipage.engine.api import process
 
     engine = StandInEngine(step_s)
     process.write_frame(outbox.fileno(), ("ready", {"max_model_len": engine.max_model_len, "snapshot": None}))
@@ -95,8 +95,8 @@ def serve_stand_in(port: int, step_s: float, model: str) -> None:
     """The server process: `zipage serve`'s app and HTTP stack in front of the stand-in engine."""
     import functools
 
-    from zipage.cli.server import serve
-    from zipage.engine import process
+    from zipage.cli.serve.server import serve
+    from zipage.engine.api import process
     from zipage.engine.config import EngineConfig
 
     process.run_engine_process = functools.partial(_child, step_s=step_s)

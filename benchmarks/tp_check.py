@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="write tp_check.json here")
     args = parser.parse_args(argv)
 
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
 
     vocab = min(resolve_model(args.model).hf_config.vocab_size, 32000)
     rng = random.Random(0)

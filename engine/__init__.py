@@ -3,9 +3,9 @@
 import importlib
 
 # Imported on first use (PEP 562): the command line reads the config without loading torch.
-_PUBLIC = {"LLM": "zipage.engine.llm", "SamplingParams": "zipage.engine.config",
+_PUBLIC = {"LLM": "zipage.engine.api.llm", "EngineThread": "zipage.engine.api.thread", "SamplingParams": "zipage.engine.config",
            "EngineConfig": "zipage.engine.config", "EngineSnapshot": "zipage.engine.events",
-           "RequestOutput": "zipage.engine.core", "PromptTooLong": "zipage.engine.core"}
+           "RequestOutput": "zipage.engine.core.outputs", "PromptTooLong": "zipage.engine.core.outputs"}
 
 __all__ = list(_PUBLIC)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 EVICTION_POLICIES = ("score", "random", "recent")
 BUDGET_POLICIES = ("fixed", "elastic")  # docs/design-notes.md, "Budgets"
-DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/model_registry.py)
+DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/loading/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from zipage.engine import EngineConfig, SamplingParams
-from zipage.engine.core import EngineCore, RequestOutput
+from zipage.engine.core.engine_core import EngineCore
+from zipage.engine.core.outputs import RequestOutput
 from zipage.testing import save_random_model
 
 # Block size 16, window 4, budget 2 blocks: a request is compressed every 16 tokens once it holds

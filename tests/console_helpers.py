@@ -28,7 +28,7 @@ async def type_line(pilot, text: str) -> None:
 
 async def help_text(app, pilot) -> str:
     """Open the app's help screen (F1) and return what it shows, as plain text."""
-    from zipage.cli.widgets import HelpScreen
+    from zipage.cli.console.widgets import HelpScreen
 
     await pilot.press("f1")
     await pilot.pause()

@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 
 from console_helpers import KNOBS, help_text, type_line, wait_for as pilot_wait_for
 from serve_helpers import API_KEY, MODEL, pool_idle, scrape, start_server, stop_server, wait_for, wait_until_idle
-from zipage.cli.chat import ChatApp
+from zipage.cli.console.chat import ChatApp
 from zipage.cli.main import app as cli
-from zipage.cli.plain_chat import Conversation, run_plain
-from zipage.cli.remote import RemoteEngine
-from zipage.cli.top import TopApp, explain_step, row_cells
-from zipage.cli.widgets import EventLog, describe_event, drain
+from zipage.cli.console.plain_chat import Conversation, run_plain
+from zipage.cli.serve.remote import RemoteEngine
+from zipage.cli.console.top import TopApp, explain_step, row_cells
+from zipage.cli.console.widgets import EventLog, describe_event, drain
 from zipage.engine.config import SamplingParams
-from zipage.engine.service import EngineThread
+from zipage.engine.api.thread import EngineThread
 
 LONG = 5000  # output tokens of a request that is stopped by hand
 TINY = ["--model", MODEL, "--device", "cpu", "--block-size", "16", "--window", "8", "--num-kv-blocks", "64"]

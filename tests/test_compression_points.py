@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from compression_helpers import build_random_model, generate, random_prompts
-from zipage.engine.geometry import CompressionGeometry
+from zipage.engine.kv.geometry import CompressionGeometry
 
 torch.set_num_threads(1)
 

@@ -17,12 +17,12 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from zipage.cli.chat import ChatApp, Message
+from zipage.cli.console.chat import ChatApp, Message
 from zipage.cli.main import app as cli
-from zipage.cli.remote import RemoteEngine
-from zipage.cli.top import TopApp
+from zipage.cli.serve.remote import RemoteEngine
+from zipage.cli.console.top import TopApp
 from zipage.engine.config import SamplingParams
-from zipage.engine.core import PromptTooLong
+from zipage.engine.core.outputs import PromptTooLong
 from serve_helpers import (API_KEY, DEADLINE_S, MODEL, engine_pid, free_port, start_server, stop_server,
                            wait_until_idle)
 
@@ -333,7 +333,7 @@ def test_a_request_to_a_hung_server_ends_with_an_error(server, remote, monkeypat
     """A server that stops answering (here: its process stopped) never takes the request: submit
     gives up after ACCEPT_TIMEOUT_S instead of leaving the session answering for ever. Once the
     server runs again it serves, and the abandoned request leaves nothing behind."""
-    import zipage.cli.remote as remote_module
+    import zipage.cli.serve.remote as remote_module
 
     monkeypatch.setattr(remote_module, "ACCEPT_TIMEOUT_S", 2.0)
     outcome = []

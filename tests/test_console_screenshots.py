@@ -14,10 +14,10 @@ import pytest
 
 from console_helpers import type_line, wait_for
 from zipage.engine.config import SamplingParams
-from zipage.engine.service import EngineThread
-from zipage.cli.chat import ChatApp, Message
-from zipage.cli.top import TopApp
-from zipage.cli.widgets import BlockTable
+from zipage.engine.api.thread import EngineThread
+from zipage.cli.console.chat import ChatApp, Message
+from zipage.cli.console.top import TopApp
+from zipage.cli.console.widgets import BlockTable
 
 # Small blocks and budget, so compression, prefix sharing and the pool map all show at a glance.
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=4, num_kv_blocks=160)

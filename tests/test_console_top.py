@@ -9,9 +9,9 @@ import pytest
 
 from console_helpers import help_text
 from zipage.engine.config import SamplingParams
-from zipage.engine.service import EngineThread
-from zipage.cli.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
-from zipage.cli.widgets import PoolMap, drain
+from zipage.engine.api.thread import EngineThread
+from zipage.cli.console.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
+from zipage.cli.console.widgets import PoolMap, drain
 
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=48)
 

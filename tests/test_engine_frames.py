@@ -6,7 +6,7 @@ import os
 import select
 import threading
 
-from zipage.engine.frames import FrameReader, write_frame
+from zipage.engine.api.frames import FrameReader, write_frame
 
 
 def test_messages_larger_than_the_pipe_arrive_whole_and_in_order():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts
 from zipage.engine import EngineConfig
-from zipage.engine.core import EngineCore
+from zipage.engine.core.engine_core import EngineCore
 
 BLOCK = 16
 MAX_TOKENS = 24

@@ -114,7 +114,7 @@ def test_prefix_hits_show_in_the_hit_rate():
 def test_the_latency_pane_flags_a_stall_from_the_flag_or_an_old_snapshot():
     import dataclasses
 
-    from zipage.cli.widgets import LatencyView
+    from zipage.cli.console.widgets import LatencyView
     from zipage.engine.events import Latency
 
     llm = LLM("random:llama-tiny", device="cpu", block_size=16, window=8, num_kv_blocks=64)

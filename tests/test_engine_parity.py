@@ -96,7 +96,7 @@ def test_cpu_engine_computes_from_packed_weights(smol):
     import torch
     import torch.nn.functional as F
 
-    from zipage.engine.models.decoder import Linear, cpu_packing_works
+    from zipage.engine.execution.models.decoder import Linear, cpu_packing_works
 
     if not cpu_packing_works(torch.float32):
         pytest.skip("this torch build has no oneDNN packed linear")

@@ -8,7 +8,7 @@ import torch
 
 from conftest import assert_pool_empty, greedy, random_prompts
 from zipage.engine import SamplingParams
-from zipage.engine.sampler import Sampler, apply_repetition_penalty, filter_logits
+from zipage.engine.execution.sampler import Sampler, apply_repetition_penalty, filter_logits
 
 PROMPTS = random_prompts(3, [9, 30, 17], seed=91)
 N = 24
@@ -281,8 +281,8 @@ def test_ids_without_text_keep_the_decoding_window_short():
     nothing and never enter the window re-decoded per token, even while a character is incomplete."""
     import random
 
-    from zipage.engine.detokenizer import IncrementalDetokenizer
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.detokenizer import IncrementalDetokenizer
+    from zipage.engine.loading.loader import resolve_model
 
     tok = resolve_model("random:qwen3-0.6b").tokenizer
     rng = random.Random(5)
@@ -301,7 +301,7 @@ def test_streamed_text_equals_tokenizer_decode(smol, skip_special):
     transformers' decode of the whole output."""
     import random
 
-    from zipage.engine.detokenizer import IncrementalDetokenizer
+    from zipage.engine.loading.detokenizer import IncrementalDetokenizer
 
     tok = smol.tokenizer
     rng = random.Random(3)

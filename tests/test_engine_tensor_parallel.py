@@ -8,9 +8,9 @@ import torch
 
 from conftest import assert_pool_empty, greedy, random_prompts
 from zipage.engine import LLM
-from zipage.engine.loader import resolve_model
-from zipage.engine.models import CausalLM
-from zipage.engine.models.parallel import TensorParallel
+from zipage.engine.loading.loader import resolve_model
+from zipage.engine.execution.models import CausalLM
+from zipage.engine.execution.models.parallel import TensorParallel
 
 FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 

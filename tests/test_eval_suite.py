@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from zipage.cli import eval_common as ec
-from zipage.cli import fidelity, needle, recall, vartrack
+from zipage.cli.eval import common as ec
+from zipage.cli.eval import fidelity, needle, recall, vartrack
 from zipage.cli.main import app
-from zipage.engine.loader import resolve_model
+from zipage.engine.loading.loader import resolve_model
 
 NEVER = ec.parse_budgets("400%")  # a budget larger than any sample: compression never runs
 TINY_RUNS = {
@@ -152,7 +152,7 @@ def test_needle_prompts_hide_the_key_at_its_depth_among_distractors():
 
 
 def test_filler_is_varied_and_seeded():
-    from zipage.cli.eval_text import filler_sentences
+    from zipage.cli.eval.filler import filler_sentences
 
     text = filler_sentences(random.Random(0), 200)
     assert len(set(text)) > 150

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zipage.cli import eval_common as ec
-from zipage.cli import fidelity
+from zipage.cli.eval import common as ec
+from zipage.cli.eval import fidelity
 
 
 def _exact_kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> float:

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipage.engine import loader
-from zipage.engine.loader import ModelSource, default_model_path, list_models, resolve_model
-from zipage.engine.model_registry import RANDOM_PRESETS, byte_tokenizer
+from zipage.engine.loading import loader
+from zipage.engine.loading.loader import ModelSource, default_model_path, list_models, resolve_model
+from zipage.engine.loading.model_registry import RANDOM_PRESETS, byte_tokenizer
 
 # ----------------------------------------------------------------------------------------
 # The built-in default model

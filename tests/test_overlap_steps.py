@@ -243,7 +243,7 @@ def test_an_idle_engine_holds_no_step(model_path):
 def test_a_step_by_hand_shows_its_tokens(model_path):
     """Teaching mode pauses the engine thread and steps it by hand: each decode step's token is read
     before the step returns, so every step shows exactly one more token per request."""
-    from zipage.engine.service import EngineThread
+    from zipage.engine.api.thread import EngineThread
 
     service = EngineThread(model_path, **dict(make_knobs(), overlap_steps=True))
     try:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import BASE_KNOBS, assert_pool_empty, greedy, random_prompts, tiny_llm
 from zipage.engine import EngineConfig, SamplingParams
-from zipage.engine.service import EngineClosed, EngineThread
+from zipage.engine.api.thread import EngineClosed, EngineThread
 
 HANG = 120  # seconds after which a wait counts as a hang
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import BASE_KNOBS, greedy, random_prompts
 from zipage.engine import SamplingParams
-from zipage.engine.service import EngineThread
+from zipage.engine.api.thread import EngineThread
 
 TIMEOUT = 60
 

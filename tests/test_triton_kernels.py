@@ -502,9 +502,9 @@ def test_skinny_bf16():
 def test_decoder_skinny_path(family, monkeypatch):
     """A decode forward through the layers' skinny path (norms and SiLU folded into the products)
     equals the plain path: with the reference compositions, and with the Triton kernels."""
-    from zipage.engine.model_registry import RANDOM_PRESETS
-    from zipage.engine.models import ForwardBatch
-    from zipage.engine.models.decoder import CausalLM
+    from zipage.engine.loading.model_registry import RANDOM_PRESETS
+    from zipage.engine.execution.models import ForwardBatch
+    from zipage.engine.execution.models.decoder import CausalLM
 
     torch.manual_seed(0)
     model = CausalLM(RANDOM_PRESETS[family].make_config())

@@ -8,9 +8,9 @@ import importlib
 
 # Where each public name lives; imported on first use (PEP 562), so that `zipage --help` and
 # `zipage models` never pay for importing torch and transformers.
-_PUBLIC = {"LLM": "zipage.engine.llm", "SamplingParams": "zipage.engine.config",
-           "EngineConfig": "zipage.engine.config", "EngineThread": "zipage.engine.service",
-           "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core"}
+_PUBLIC = {"LLM": "zipage.engine.api.llm", "SamplingParams": "zipage.engine.config",
+           "EngineConfig": "zipage.engine.config", "EngineThread": "zipage.engine.api.thread",
+           "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core.engine_core"}
 
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ def save_random_model(folder: Path | str, family: str = "llama-tiny", seed: int 
     Returns the model (float32, eval mode)."""
     from transformers import AutoModelForCausalLM
 
-    from zipage.engine.loader import resolve_model
+    from zipage.engine.loading.loader import resolve_model
 
     source = resolve_model(f"random:{family}")
     config = source.hf_config

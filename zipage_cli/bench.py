@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.llm import LLM
-from zipage.engine.loader import resolve_model
+from zipage.engine.api.llm import LLM
+from zipage.engine.loading.loader import resolve_model
 
 MODES = ("zipage", "elastic", "fullkv", "hf")
 SNAPSHOT_EVERY_S = 0.1  # how often a run samples the running-request count
@@ -149,7 +149,7 @@ def _summary(mode: str, runs: list[dict], policy: str | None) -> dict:
 
 
 def _device_type(config: EngineConfig) -> str:
-    from zipage.engine.model_runner import resolve_device
+    from zipage.engine.execution.model_runner import resolve_device
 
     return resolve_device(config.device).type
 
@@ -249,7 +249,7 @@ def hf_model(config: EngineConfig):
     model, or the engine's own seeded random init for a `random:` preset."""
     from transformers import AutoModelForCausalLM
 
-    from zipage.engine.model_runner import resolve_device, resolve_dtype
+    from zipage.engine.execution.model_runner import resolve_device, resolve_dtype
 
     source = resolve_model(config.model)
     device = resolve_device(config.device)
@@ -270,7 +270,7 @@ def hf_model(config: EngineConfig):
 def _random_weights(hf_config, seed: int, device: torch.device, dtype: torch.dtype):
     """The engine's random init, renamed and split into HF's unfused layout. Built as the engine's
     ModelRunner builds it (same class, device, dtype and seed), so the values match exactly."""
-    from zipage.engine.models import CausalLM
+    from zipage.engine.execution.models import CausalLM
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -299,8 +299,8 @@ def hf_batching_config(config: EngineConfig, model):
     RAM (left alone, it takes 60% of RAM on a CPU), or the same fraction of GPU memory."""
     from transformers import ContinuousBatchingConfig
 
-    from zipage.engine.model_runner import CPU_KV_CAP_BYTES, CPU_KV_SHARE_OF_RAM, available_ram_bytes
-    from zipage.engine.models import head_dim_of
+    from zipage.engine.execution.model_runner import CPU_KV_CAP_BYTES, CPU_KV_SHARE_OF_RAM, available_ram_bytes
+    from zipage.engine.execution.models import head_dim_of
 
     hf = model.config
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * model.dtype.itemsize

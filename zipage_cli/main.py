@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from zipage.cli.eval_cli import eval_app
+from zipage.cli.eval.commands import eval_app
 from zipage.cli.options import engine_options
 from zipage.engine.config import DEFAULT_MODEL
 
@@ -127,7 +127,7 @@ def _blocks(value: str | None, option: str) -> int | None:
 @app.command(epilog="Example:\n\n  zipage models")
 def models():
     """List the built-in models, the random-weight presets and the models in the local cache."""
-    from zipage.engine.loader import list_models
+    from zipage.engine.loading.loader import list_models
 
     table = Table(title="Zipage models")
     table.add_column("name", style="bold")
@@ -147,7 +147,7 @@ app.add_typer(eval_app, name="eval")
 def _engine_process(engine_kwargs: dict):
     """The engine in a child process (for the server): this process keeps the interpreter to itself."""
     from zipage.engine.config import EngineConfig
-    from zipage.engine.process import EngineProcess
+    from zipage.engine.api.process import EngineProcess
 
     return EngineProcess(EngineConfig.from_kwargs(**engine_kwargs))
 
@@ -168,15 +168,15 @@ def _load_engine(engine_kwargs: dict, start=None):
     try:
         with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
             if start is None:
-                from zipage.engine.service import EngineThread
+                from zipage.engine.api.thread import EngineThread
 
                 start = lambda kwargs: EngineThread(**kwargs)  # noqa: E731
             engine = start(engine_kwargs)
     except ValueError as e:
         usage_error(f"{e}")
     except RuntimeError as e:
-        from zipage.engine.loader import ModelUnavailable  # loaded already by whatever raised
-        from zipage.engine.process import EngineGone
+        from zipage.engine.loading.loader import ModelUnavailable  # loaded already by whatever raised
+        from zipage.engine.api.process import EngineGone
 
         if isinstance(e, ModelUnavailable):  # the built-in model is missing and could not be downloaded
             usage_error(f"{e}")
@@ -196,7 +196,7 @@ def _load_engine(engine_kwargs: dict, start=None):
 
 def _attach(url: str, api_key: str | None, engine_kwargs: dict):
     """Connect to a running `zipage serve`; its engine is already configured, so engine options are refused."""
-    from zipage.cli.remote import RemoteEngine
+    from zipage.cli.serve.remote import RemoteEngine
 
     if engine_kwargs:
         options = ", ".join("--" + k.replace("_", "-") for k in engine_kwargs)
@@ -224,7 +224,7 @@ def _check_writable(path: str | None, option: str) -> None:
 
 
 def _check_theme(theme: str) -> None:
-    from zipage.cli.themes import check_theme
+    from zipage.cli.console.themes import check_theme
 
     try:
         check_theme(theme)
@@ -254,7 +254,7 @@ def chat(
 ):
     """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside."""
     from zipage.engine.config import SamplingParams
-    from zipage.cli.plain_chat import Conversation, run_plain
+    from zipage.cli.console.plain_chat import Conversation, run_plain
 
     _check_theme(theme)
     try:
@@ -277,7 +277,7 @@ def chat(
 
 
 def _engine_thread(engine_kwargs: dict):
-    from zipage.engine.service import EngineThread
+    from zipage.engine.api.thread import EngineThread
 
     return EngineThread(**engine_kwargs)
 
@@ -286,7 +286,7 @@ def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperatur
                   system: str | None) -> None:
     """The full-screen chat draws at once; given a function that starts the engine (rather than an
     engine), it loads the model in the background."""
-    from zipage.cli.chat import ChatApp
+    from zipage.cli.console.chat import ChatApp
 
     app = ChatApp(engine, theme, sessions, temperature, max_tokens, system, model_name=model_name)
     try:
@@ -321,7 +321,7 @@ def top(
 ):
     """Watch the engine under load, block by block; teaching mode explains it one step at a time."""
     from zipage.engine.config import SamplingParams
-    from zipage.cli.top import LoadGenerator, TopApp, check_prompts, prompt_source, read_prompts
+    from zipage.cli.console.top import LoadGenerator, TopApp, check_prompts, prompt_source, read_prompts
 
     _check_theme(theme)
     if attach:
@@ -365,7 +365,7 @@ def serve(
     engine_kwargs: dict = None,
 ):
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console."""
-    from zipage.cli.server import serve as run_server
+    from zipage.cli.serve.server import serve as run_server
 
     engine = _load_engine(engine_kwargs, _engine_process)
     try:

@@ -1,0 +1,387 @@
+"""Owns the model and its KV cache: sizes the pool, builds batch tensors, runs forward, samples."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from zipage import kernels
+from zipage.engine.config import EngineConfig
+from zipage.engine.loading.loader import ModelSource
+from zipage.engine.kv.geometry import CompressionGeometry
+from zipage.engine.execution.cuda_graphs import DecodeGraphs
+from zipage.engine.execution.models import CausalLM, ForwardBatch, head_dim_of
+from zipage.engine.execution.models.parallel import TensorParallel
+from zipage.engine.execution.sampler import Sampler, upload
+from zipage.engine.scheduling.scheduler import ScheduledBatch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM for KV on CPU
+CPU_KV_CAP_BYTES = 2 << 30
+MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly
+GPU_HEADROOM_BYTES = 1 << 30  # CUDA graphs, the compression stream's buffers, allocator slack
+
+
+@dataclass
+class LaunchedStep:
+    """A forward whose sampled ids may still be on their way to the host (`ModelRunner.collect`)."""
+
+    batch: ScheduledBatch
+    sampling: list[int]  # batch index of each sampled row
+    ids: torch.Tensor | None = None  # [rows] sampled ids, on the device
+    host_ids: torch.Tensor | None = None  # their host copy (pinned, written asynchronously on CUDA)
+    ready: "torch.cuda.Event | None" = None  # recorded after the copy
+    logits: torch.Tensor | None = None  # kept only for a logits observer (evaluation)
+    started: float = 0.0  # time.monotonic() at launch
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _load_weights(model: CausalLM, source: ModelSource) -> None:
+    """The source's weights into the model; a weight that is missing, misshapen or corrupt names the
+    model file or folder it came from."""
+    try:
+        model.load_weights(source.load_weights())
+    except ValueError as e:
+        raise ValueError(f"model {source.path!r}: {e}") from None
+
+
+class ModelRunner:
+    """One rank's model shard and KV cache. Under tensor parallelism rank 0 (the engine's runner)
+    sends every forward's packed metadata to the other ranks (`workers`), which run the same
+    forward on their heads; sampling happens on rank 0 only."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, block_size: int, max_model_len: int,
+                 tp: TensorParallel = TensorParallel(), geometry: CompressionGeometry | None = None):
+        self.config = config
+        self.tp = tp
+        self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        hf = source.hf_config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = tp.share(hf.num_key_value_heads, "KV heads")  # this rank's heads
+        self.num_heads = tp.share(hf.num_attention_heads, "attention heads")
+        self.head_dim = head_dim_of(hf)
+
+        if self.device.type == "cuda":
+            kernels.use_triton()
+        torch.manual_seed(config.seed)
+        # Build straight on the device in the serving dtype: no full-precision copy in host memory.
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = CausalLM(hf, tp)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        if source.is_random:
+            model.init_random(config.seed)
+        else:
+            _load_weights(model, source)
+        self.model = model.eval()
+        self.model.rope.set_length(max_model_len)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # On the CPU the matrix products are most of a step: oneDNN's packed weights speed them up.
+        self.packed_weights = self.device.type == "cpu" and self.model.pack_for_cpu()
+        self.sampler = Sampler(config.seed)
+        self.logits_observer = None  # callable(seq, logits_row) for evaluation; None in serving
+
+        self.compression = config.compression
+        self.window = config.window
+        self.geometry = geometry  # compression lengths: pool sizing, and where window queries go
+        # Every rank holds the same blocks and slots: the fewest any of them has room for.
+        self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
+        self._allocate_pool()
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.graphs: DecodeGraphs | None = None
+        # Graph capture needs kernels that never sync with the host: the Triton ones.
+        # Under tensor parallelism decode runs eagerly: graphs would have to capture the collectives.
+        if (self.device.type == "cuda" and not config.enforce_eager and not tp.enabled
+                and "paged_decode_attention" in kernels.TRITON_IMPLS):
+            self.graphs = DecodeGraphs(self.model, self.device, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                       self.max_blocks_per_seq, self.query_cache if self.compression else None)
+
+    # -- memory ------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: K and V, plus its score cache under compression."""
+        elem = torch.finfo(self.dtype).bits // 8
+        per_token = 2 * self.num_kv_heads * self.head_dim * elem + (4 * self.num_kv_heads if self.compression else 0)
+        return self.num_layers * self.block_size * per_token
+
+    @property
+    def query_slot_bytes(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return self.num_layers * self.window * self.num_heads * self.head_dim * elem
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of everything the pool holds: KV blocks, score cache and query slots."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache))
+
+    def _allocate_pool(self) -> None:
+        """The KV blocks, and the compression state: queries of the observation window and each kept
+        entry's last score. A pool the device cannot hold (a num_kv_blocks or kv_cache_gb set too
+        large) is a ValueError that says so, not an allocator error."""
+        blocks, slots = self.num_blocks, self.num_query_slots
+        try:
+            self.kv_cache = torch.zeros(
+                (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                dtype=self.dtype, device=self.device)
+            self.query_cache = torch.zeros((self.num_layers, slots * self.window, self.num_heads, self.head_dim),
+                                           dtype=self.dtype, device=self.device)
+            self.score_cache = torch.zeros(
+                (self.num_layers, blocks * self.block_size if self.compression else 0, self.num_kv_heads),
+                dtype=torch.float32, device=self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
+            self.kv_cache = self.query_cache = self.score_cache = None
+            gib = (blocks * self.block_bytes + slots * self.query_slot_bytes) / (1 << 30)
+            raise ValueError(f"the KV pool ({blocks} blocks, {gib:.3g} GiB) does not fit in {self.device.type} "
+                             f"memory ({type(e).__name__} from the allocator); lower num_kv_blocks or "
+                             "kv_cache_gb") from None
+
+    def release(self) -> None:
+        """Drop the KV pool, the weights and the CUDA graphs, so their device memory returns now and
+        not whenever the engine object is garbage-collected (a second engine sizes its pool then)."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.query_cache = self.score_cache = empty
+        self.graphs = None
+        self.model = None
+        self.weight_bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _size_pool(self) -> tuple[int, int]:
+        """(blocks, query slots). Slots and blocks share one budget:
+        M * (N_max * block_bytes + query_slot_bytes) <= KV memory."""
+        cfg = self.config
+        n_max = self.geometry.max_blocks if self.geometry is not None else 1  # blocks of one compressed request
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+            slots = cfg.num_query_slots or max(1, blocks // n_max)
+            return blocks, (min(slots, cfg.max_num_seqs) if self.compression else 0)
+        if cfg.kv_cache_gb is not None:
+            budget = int(cfg.kv_cache_gb * (1 << 30))
+        elif self.device.type == "cuda":
+            peak = self._profile_activation_peak()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cfg.memory_utilization) - (total - free) - peak - GPU_HEADROOM_BYTES
+        else:
+            budget = min(int(available_ram_bytes() * CPU_KV_SHARE_OF_RAM), CPU_KV_CAP_BYTES)
+        slots = 0
+        if self.compression:
+            slots = cfg.num_query_slots or budget // (n_max * self.block_bytes + self.query_slot_bytes)
+            slots = max(1, min(slots, cfg.max_num_seqs))
+            budget -= slots * self.query_slot_bytes
+        # No point holding more than every request at full length could use.
+        needed = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
+        blocks = min(budget // self.block_bytes, needed)
+        if blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
+                             f"{self.block_bytes}); lower the model size or raise memory_utilization/kv_cache_gb")
+        return int(blocks), int(slots)
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Run the largest prefill once on a throw-away cache and measure the activation peak."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        scratch = torch.zeros((self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                              dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.randint(0, self.model.config.vocab_size, (tokens,), device=self.device)
+        fwd = ForwardBatch(is_prefill=True, slot_mapping=torch.arange(tokens, device=self.device),
+                           block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+                           context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+                           cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device))
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), fwd)
+        rows = min(self.config.max_num_seqs, tokens)
+        self.model.logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # -- one step -------------------------------------------------------------------
+
+    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict, list[int]]:
+        """All the batch metadata as one int64 host tensor plus a small header (what every rank
+        needs to rebuild the forward), and the batch index of each sampling row."""
+        input_ids, positions, slots, context_lens, cu, sample_rows, sampling = [], [], [], [], [0], [], []
+        query_rows, any_query = [], False
+        bs = self.block_size
+        # Plain list appends: at batch 256 this loop is on every decode step's critical path.
+        for i, seq in enumerate(batch.seqs):
+            n = batch.num_new_tokens[i]
+            start, kv, table = seq.num_computed_tokens, seq.kv_len, seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[kv // bs] * bs + kv % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[j // bs] * bs + j % bs for j in range(kv, kv + n)]
+            if self.compression:
+                rows = self.geometry.window_rows(seq, kv, n)
+                any_query = any_query or any(r >= 0 for r in rows)
+                query_rows += rows
+            context_lens.append(kv + n)
+            cu.append(cu[-1] + n)
+            if batch.samples(i):
+                sampling.append(i)
+                sample_rows.append(cu[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = []
+        for seq in batch.seqs:
+            tables += seq.block_table
+            if len(seq.block_table) < width:
+                tables += [-1] * (width - len(seq.block_table))
+        if not any_query:
+            query_rows = []
+        parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
+        # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
+        packed = torch.tensor(input_ids + positions + slots + context_lens + parts[4] + query_rows + tables,
+                              dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        header = dict(is_prefill=batch.is_prefill, sizes=[len(p) for p in parts], width=width,
+                      num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
+        return packed, header, sampling
+
+    def unpack(self, packed: torch.Tensor, header: dict, int32: bool = True,
+               inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The forward's tensors on the device. int32=False leaves tables and lengths int64 views
+        of the upload (the decode graphs convert them while copying them in). `inputs_from`
+        (rows, ids) puts ids still on the device into those rows of the input (an overlapped step)."""
+        packed = packed.to(self.device, non_blocking=True)
+        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
+        if inputs_from is not None:
+            rows, source = inputs_from
+            ids_t.index_copy_(0, rows, source)
+        tables_t = tables_t.view(header["num_seqs"], header["width"])
+        fwd = ForwardBatch(
+            is_prefill=header["is_prefill"],
+            slot_mapping=slots_t,
+            block_tables=tables_t.to(torch.int32) if int32 else tables_t,
+            context_lens=ctx_t.to(torch.int32) if int32 else ctx_t,
+            cu_seqlens_q=cu_t.to(torch.int32) if header["is_prefill"] else None,
+        )
+        if header["any_query"]:
+            fwd.query_slot_mapping = rows_t
+            fwd.query_cache = list(self.query_cache.unbind(0))
+        return ids_t, pos_t, fwd
+
+    @torch.inference_mode()
+    def forward_packed(self, packed: torch.Tensor, header: dict,
+                       inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Forward a packed batch; the logits of its sampling rows, or None when none samples.
+        Every rank runs this in step: the collectives inside pair up."""
+        rows = header["sample_rows"]
+        if (not header["is_prefill"] and self.graphs is not None
+                and self.graphs.fits(header["num_seqs"], header["width"])):
+            logits = self.graphs.run(*self.unpack(packed, header, int32=False, inputs_from=inputs_from))
+            if len(rows) < logits.shape[0]:
+                logits = logits[upload(rows, self.device)]
+            return logits if rows else None
+        input_ids, positions, fwd = self.unpack(packed, header, inputs_from=inputs_from)
+        hidden = self.model(input_ids, positions, fwd)
+        if not rows:
+            return None
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[upload(rows, self.device)]
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the forward and sampling of one batch; the ids stay on the device until `collect`.
+        With `previous`, the input of every request that sampled there is its id from that step,
+        read on the device: the host never waited for it."""
+        packed, header, sampling = self.pack(batch)
+        inputs_from = self._inputs_from(batch, previous) if previous is not None else None
+        if self.workers is not None:
+            self.workers.send("forward", packed, header)
+        logits = self.forward_packed(packed, header, inputs_from)
+        step = LaunchedStep(batch, sampling)
+        if logits is None:
+            return step
+        requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
+        step.ids = self.sampler.sample_on_device(logits, requests)
+        if self.logits_observer is not None:
+            step.logits = logits
+        if self.device.type == "cuda":
+            step.host_ids = torch.empty(step.ids.shape, dtype=step.ids.dtype, pin_memory=True)
+            step.host_ids.copy_(step.ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        else:
+            step.host_ids = step.ids
+        return step
+
+    def _inputs_from(self, batch: ScheduledBatch, previous: LaunchedStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of this batch, their ids): the ids `previous` sampled for the same requests."""
+        row_of = {id(previous.batch.seqs[i]): row for row, i in enumerate(previous.sampling)}
+        pairs = [(i, row_of[id(seq)]) for i, seq in enumerate(batch.seqs) if id(seq) in row_of]
+        if not pairs or previous.ids is None:
+            return None
+        index = upload([i for i, _ in pairs] + [row for _, row in pairs], self.device)
+        rows, source_rows = index.split(len(pairs))
+        return rows, previous.ids.index_select(0, source_rows)
+
+    def collect(self, step: LaunchedStep) -> list[int | None]:
+        """The sampled token of each sequence of a launched batch (None where it did not sample);
+        waits for that step's copy only."""
+        out: list[int | None] = [None] * len(step.batch.seqs)
+        if step.ids is None:
+            return out
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host_ids.tolist()
+        for row, (i, token) in enumerate(zip(step.sampling, tokens)):
+            seq = step.batch.seqs[i]
+            if self.logits_observer is not None and step.logits is not None:
+                self.logits_observer(seq, step.logits[row])
+            if seq.forced_tokens is not None and seq.num_output_tokens < len(seq.forced_tokens):
+                token = seq.forced_tokens[seq.num_output_tokens]
+            out[i] = token
+        step.logits = None
+        return out
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward one scheduled batch; returns the sampled token of each sequence that samples."""
+        return self.collect(self.launch(batch))

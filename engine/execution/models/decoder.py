@@ -1,0 +1,441 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families, with fused QKV and gate/up projections.
+
+Family differences are switches read from the Hugging Face config: QKV bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), tied embeddings and RoPE scaling (llama3) where the config says so.
+Attention reads and writes the paged KV cache through `kernels`. Under tensor parallelism
+(`engine.models.parallel`) each rank builds the same classes with its share of the heads, MLP
+columns and vocabulary, and loads or draws exactly that share of the full weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zipage import kernels
+from zipage.engine.execution.models.parallel import TensorParallel
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ForwardBatch:
+    """What attention needs to know about one forward pass over a flat list of tokens."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [tokens] cache slot of each token's K/V
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor  # [seqs] KV entries after this step's tokens are stored
+    cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] prefill only
+    # Query cache (compression): queries of window positions are copied to these slots, -1 = none
+    query_slot_mapping: torch.Tensor | None = None
+    query_cache: list[torch.Tensor] = field(default_factory=list)  # per layer [slots * window, q_heads, dim]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be repacked for oneDNN's CPU matrix products (`pack_for_cpu`):
+    in fp32 a blocked layout runs the small-batch products of decode 1.5-2.5x faster than the
+    plain row-major weight. Packing frees the plain weight; the layer then computes from the packed one."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_weight(self.weight.detach())
+        self.weight = None  # the packed copy holds the same values
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def cpu_packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build has oneDNN's packed linear for `dtype` and it agrees with F.linear
+    (an internal ATen op: checked, not assumed)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=gen).to(dtype)
+        x = torch.randn(5, 64, generator=gen).to(dtype)
+        b = torch.randn(48, generator=gen).to(dtype)
+        out = packed_linear(x, pack_weight(w), b)
+        return torch.allclose(out.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+    except Exception:  # noqa: BLE001 - any failure means: keep the plain path
+        return False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables over every position up to `length`, in float32 whatever the model's dtype;
+    a forward gathers its tokens' rows once and every layer reads them."""
+
+    def __init__(self, hf_config, head_dim: int):
+        super().__init__()
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        if rope_type == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                                        / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported RoPE type {rope_type!r}")
+            with torch.device("cpu"):  # real values even when the model is built on the meta device
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
+        self.scaling = float(scaling)
+        self.length = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+        self._table: torch.Tensor | None = None  # [length, 2 (cos, sin), head_dim]
+
+    def set_length(self, length: int) -> None:
+        """Cover positions below `length` (the engine's max_model_len), no more."""
+        if length != self.length:
+            self.length = length
+            self._table = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows of these positions, each [tokens, head_dim] float32 (one gather a forward;
+        the two halves repeat the frequencies). The table is built once per device."""
+        if self._table is None or self._table.device != positions.device:
+            steps = torch.arange(self.length, device=positions.device, dtype=torch.int64).float()
+            freqs = steps[:, None] * self.inv_freq.to(positions.device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._table = torch.stack((emb.cos() * self.scaling, emb.sin() * self.scaling), dim=1)
+        rows = self._table[positions]  # [tokens, 2, head_dim]
+        return rows[:, 0], rows[:, 1]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
+        super().__init__()
+        self.layer_index = layer_index
+        self.tp = tp
+        self.num_heads = tp.share(cfg.num_attention_heads, "attention heads")  # this rank's heads
+        self.num_kv_heads = tp.share(cfg.num_key_value_heads, "KV heads")
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = family_of(cfg) == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size,
+                                bias=bool(getattr(cfg, "attention_bias", False)) and family_of(cfg) == "llama")
+        self.qk_norm = family_of(cfg) == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        return self.tp.all_reduce(self.o_proj(self.attend(self.qkv_proj(hidden), cos_sin, batch)))
+
+    def attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               batch: ForwardBatch) -> torch.Tensor:
+        """Everything between the QKV and O projections: [tokens, q_size] from qkv [tokens, qkv width]."""
+        tokens = qkv.shape[0]
+        store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
+        q = kernels.qk_norm_rope_store(
+            qkv, *cos_sin,
+            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
+            batch.query_cache[self.layer_index] if store_queries else None,
+            batch.query_slot_mapping if store_queries else None)
+        if batch.is_prefill:
+            out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
+                                            batch.cu_seqlens_q, batch.context_lens, self.scale)
+        else:
+            out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
+                                                 batch.context_lens, self.scale)
+        return out.reshape(tokens, self.q_size)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.intermediate = tp.share(cfg.intermediate_size, "intermediate size")
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_index, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos_sin, batch, skinny: bool = False):
+        """The residual stream travels beside the sublayer outputs, so each residual add fuses
+        with the norm after it: returns (this layer's MLP output, the stream before adding it).
+        skinny: the small-batch decode path (see `skinny_decode`)."""
+        if skinny:
+            return self._forward_skinny(hidden, residual, cos_sin, batch)
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+        normed, residual = self.post_attention_layernorm.add(
+            self.self_attn(normed, cos_sin, batch), residual)
+        return self.mlp(normed), residual
+
+    def _forward_skinny(self, hidden, residual, cos_sin, batch):
+        """The same layer with skinny products. Where kernels.triton_linear folds the prologues,
+        each norm (and residual add) runs in the prologue of the projection after it and
+        SiLU-and-multiply in the down projection's: five launches besides attention's (eight to
+        ten on the plain path)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = kernels.norm_linear(hidden, residual, norm1.weight, norm1.eps,
+                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = kernels.linear(attn.attend(qkv, cos_sin, batch), attn.o_proj.weight, attn.o_proj.bias)
+        gate_up, residual = kernels.norm_linear(out, residual, norm2.weight, norm2.eps,
+                                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
+
+def skinny_decode(hidden: torch.Tensor, batch: ForwardBatch, tp: TensorParallel) -> bool:
+    """Whether this forward takes the small-batch decode path: a decode step of at most
+    kernels.SKINNY_MAX_ROWS tokens on CUDA, on one rank, with the Triton skinny products registered.
+    There a step streams the weights once, and its products run as skinny Triton kernels (which
+    can also absorb the norms and SiLU-and-multiply). Prefill, the CPU and tensor parallelism
+    keep the plain chains (cuBLAS or oneDNN products)."""
+    return (not batch.is_prefill and hidden.is_cuda and not tp.enabled
+            and hidden.shape[0] <= kernels.SKINNY_MAX_ROWS and kernels.skinny_registered())
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg, tp: TensorParallel, vocab_rows: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head. `forward` returns final hidden states; `logits` projects chosen rows."""
+
+    def __init__(self, hf_config, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.family = family_of(hf_config)
+        self.config = hf_config
+        self.tp = tp
+        # Each rank holds an equal slice of the vocabulary, the last one zero-padded.
+        self.vocab_rows = -(-hf_config.vocab_size // tp.size)
+        self.model = DecoderBody(hf_config, tp, self.vocab_rows)
+        self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._packed_head: torch.Tensor | None = None  # a tied head's packed copy (pack_for_cpu)
+        if not self.tied:
+            self.lm_head = Linear(hf_config.hidden_size, self.vocab_rows, bias=False)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self._embed(input_ids), None
+        cos_sin = self.rope.cos_sin(positions)
+        skinny = skinny_decode(hidden, batch, self.tp)
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, batch, skinny)
+        return self.model.norm.add(hidden, residual)[0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.model.embed_tokens(input_ids)
+        # Vocab-parallel: a rank embeds the ids in its slice and zeros elsewhere; the sum is exact.
+        local = input_ids - self.tp.rank * self.vocab_rows
+        inside = (local >= 0) & (local < self.vocab_rows)
+        hidden = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
+        return self.tp.all_reduce(hidden * inside[:, None].to(hidden.dtype))
+
+    def pack_for_cpu(self) -> bool:
+        """Repack every projection and the LM head of an fp32 CPU model for oneDNN (see Linear);
+        False when the model is not one or this torch cannot. The embedding stays plain for
+        lookups, so a tied head gets its own packed copy."""
+        dtype = self.model.embed_tokens.weight.dtype
+        # fp32 only: bf16 products already go through oneDNN (AMX where the CPU has it), and
+        # packing measured slower there at 16 rows.
+        if (self.model.embed_tokens.weight.device.type != "cpu" or dtype != torch.float32
+                or not cpu_packing_works(dtype)):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack_for_cpu()
+        if self.tied:
+            self._packed_head = pack_weight(self.model.embed_tokens.weight.detach())
+        return True
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of these rows; written into `out` (same shape) when given."""
+        if self._packed_head is not None:
+            logits = packed_linear(hidden, self._packed_head, None)
+        elif self.tied:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp.enabled:
+            logits = self.tp.gather_columns(logits.float())[:, :self.config.vocab_size]
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float()
+
+    # -- weights -----------------------------------------------------------------
+    def init_random(self, seed: int) -> None:
+        """Random weights for the `random:` presets: small normal init, unit norms. Drawn on the
+        parameters' own device, so an 8B model never passes through host memory."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        full_shapes = None
+        if self.tp.enabled:  # draw each full tensor as one rank would, then keep this rank's share
+            with torch.device("meta"):
+                full_shapes = {n: p.shape for n, p in CausalLM(self.config).named_parameters()}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                elif full_shapes is None:
+                    param.normal_(0.0, std, generator=gen)
+                else:
+                    full = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
+                    param.copy_(self._local_part(name, None, full.normal_(0.0, std, generator=gen)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = _map_name(name)
+            if target is None:
+                continue
+            if self.tied and target == "lm_head.weight":
+                continue
+            if target not in params:
+                raise ValueError(f"weight {name!r} does not fit a {self.family} model of this shape")
+            param = params[target]
+            tensor = self._local_part(target, shard, tensor)
+            with torch.no_grad():
+                if shard is None:
+                    _copy_checked(param, tensor, name)
+                else:
+                    _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+            loaded.add(f"{target}#{shard}" if shard else target)
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _local_part(self, target: str, shard: str | None, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor of parameter `target` (or of its fused part `shard`)."""
+        tp = self.tp
+        if not tp.enabled:
+            return full
+        if shard is not None:  # q, k, v, gate or up: a column-parallel slice of output rows
+            return tp.take(full, 0)
+        if "qkv_proj" in target:  # the whole fused [q; k; v]
+            attn = self.attention_layers[0]
+            q, k, v = full.split([attn.q_size * tp.size, attn.kv_size * tp.size, attn.kv_size * tp.size])
+            return torch.cat([tp.take(q), tp.take(k), tp.take(v)])
+        if "gate_up_proj" in target:
+            gate, up = full.chunk(2)
+            return torch.cat([tp.take(gate), tp.take(up)])
+        if target.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: input columns
+            return tp.take(full, 1)
+        if target.endswith("o_proj.bias"):  # added once, before the all-reduce sums the ranks
+            return full if tp.rank == 0 else torch.zeros_like(full)
+        if target in ("model.embed_tokens.weight", "lm_head.weight"):
+            return tp.take_padded_rows(full, self.vocab_rows)
+        return full
+
+    def _shard_range(self, target: str, shard: str) -> tuple[int, int]:
+        attn = self.attention_layers[0]
+        if "qkv_proj" in target:
+            starts = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size),
+                      "v": (attn.q_size + attn.kv_size, attn.kv_size)}
+            return starts[shard]
+        inter = self.model.layers[0].mlp.intermediate
+        return {"gate": (0, inter), "up": (inter, inter)}[shard]
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names += [f"{name}#{s}" for s in "qkv"]
+            elif "gate_up_proj" in name:
+                names += [f"{name}#gate", f"{name}#up"]
+            else:
+                names.append(name)
+        return names
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    if not tensor.is_floating_point():  # integer weights (a quantized or broken file) would be cast silently
+        raise ValueError(f"weight {name!r} has dtype {tensor.dtype}; expected floating-point weights")
+    param.copy_(tensor.to(param.dtype))
+    if not torch.isfinite(param).all():  # checked after the cast: a value can also overflow the dtype
+        raise ValueError(f"weight {name!r} holds NaN or infinite values: the model file is corrupt")
+
+
+def _map_name(name: str) -> tuple[str | None, str | None]:
+    """HF parameter name -> (our parameter name, shard of a fused layer or None)."""
+    if "rotary_emb" in name:
+        return None, None
+    for proj, shard in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+        if f".self_attn.{proj}." in name:
+            return name.replace(f".{proj}.", ".qkv_proj."), shard
+    for proj, shard in (("gate_proj", "gate"), ("up_proj", "up")):
+        if f".mlp.{proj}." in name:
+            return name.replace(f".{proj}.", ".gate_up_proj."), shard
+    return name, None
+
+
+def family_of(hf_config) -> str:
+    family = getattr(hf_config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"unsupported model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return family
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

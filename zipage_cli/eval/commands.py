@@ -1,0 +1,150 @@
+"""`zipage eval`: one subcommand per task, sharing the options of eval_common."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import typer
+from rich.console import Console
+
+from zipage.cli.eval import common as ec
+from zipage.engine.config import DEFAULT_MODEL
+
+eval_app = typer.Typer(help="Measure answer quality under compression: a basket of tasks, each against full KV "
+                            "and two baselines at equal budgets.", no_args_is_help=True)
+err = Console(stderr=True)
+
+SHARED = [
+    ("model", str, DEFAULT_MODEL, "Model to evaluate."),
+    ("split", str, "report", "Samples: 'selection' (to tune on) or 'report' (seeded, disjoint)."),
+    ("budgets", str, "25%,50%,75%", "KV budgets, comma-separated: shares of each sample's context (50%) or blocks (8)."),
+    ("configurations", str, None, f"Rows separated by ';' (default: {'; '.join(ec.SUITE)}). "
+                                  f"Known: {'; '.join(ec.CONFIGURATIONS)}."),
+    ("block_size", int, 32, "Tokens per block."),
+    ("window", int, 16, "Observation window."),
+    ("device", str, "cpu", "cpu or cuda."),
+    ("threads", int, 1, "CPU threads for torch (1 is fastest on a busy shared CPU)."),
+    ("json_path", str, None, "Write the results here as JSON, rewritten as each cell finishes."),
+]
+
+
+def shared_options(func):
+    """Append the options every task shares, plus repeatable --set KNOB=VALUE."""
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    for name, typ, default, help_text in SHARED:
+        decl = ["--json"] if name == "json_path" else []
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=typ,
+                                        default=typer.Option(default, *decl, help=help_text)))
+    params.append(inspect.Parameter(
+        "settings", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
+        default=typer.Option([], "--set", metavar="KNOB=VALUE",
+                             help="An engine knob applied on top of every row, for sweeps (repeatable); also "
+                                  "pool_share=X: a KV pool of X times what each group of samples holds in full.")))
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        shared = {name: kwargs.pop(name) for name, *_ in SHARED}
+        shared["settings"] = kwargs.pop("settings")
+        return func(shared=shared, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[p for p in params if p.name != "shared"])
+    return wrapper
+
+
+def run_task(module, shared: dict, **task_options) -> None:
+    """Parse the shared options, run the task with progress bars, print its table; bad options exit 2."""
+    import torch
+
+    try:
+        ec.check_count("threads", shared["threads"])
+        torch.set_num_threads(shared["threads"])
+        kwargs = dict(model=shared["model"], split=shared["split"], budgets=ec.parse_budgets(shared["budgets"]),
+                      configurations=ec.parse_configurations(shared["configurations"]),
+                      settings=ec.parse_settings(shared["settings"]), block_size=shared["block_size"],
+                      window=shared["window"], device=shared["device"], json_path=shared["json_path"])
+        with ec.Progress(True) as bars:
+            results = module.run(**kwargs, **task_options, progress=bars)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+    typer.echo(ec.markdown_table(results, getattr(module, "cell", None)))
+
+
+@eval_app.command("fidelity", epilog="Example:\n\n  zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")
+@shared_options
+def fidelity_command(
+    num_samples: int = typer.Option(4, help="Prompts from the split (8 per split)."),
+    tokens: int = typer.Option(384, help="Greedy tokens generated per prompt by full KV, then teacher-forced."),
+    shared: dict = None,
+):
+    """Teacher-forced top-1 agreement and KL divergence against full KV on free text."""
+    from zipage.cli.eval import fidelity
+
+    run_task(fidelity, shared, num_samples=num_samples, tokens=tokens)
+
+
+@eval_app.command("needle", epilog="Example:\n\n  zipage eval needle --lengths 1024,4096 --depths 0,50,100")
+@shared_options
+def needle_command(
+    num_samples: int = typer.Option(1, help="Samples per length, depth and kind (single key / several keys)."),
+    lengths: str = typer.Option("512,1024", help="Prompt lengths in tokens, comma-separated."),
+    depths: str = typer.Option("0,50,100", help="Depths of the asked key, in % of the text (0 = first)."),
+    shared: dict = None,
+):
+    """Key retrieval through a compressed prompt (needle in a haystack): exact-match accuracy per depth."""
+    from zipage.cli.eval import needle
+
+    run_task(needle, shared, num_samples=num_samples, lengths=_ints("--lengths", lengths),
+             depths=_ints("--depths", depths))
+
+
+@eval_app.command("recall", epilog="Example:\n\n  zipage eval recall --tokens 768 --num-samples 4")
+@shared_options
+def recall_command(
+    num_samples: int = typer.Option(8, help="Samples (one fact each)."),
+    tokens: int = typer.Option(384, help="Story tokens forced between the fact and the question."),
+    shared: dict = None,
+):
+    """A fact, a long teacher-forced story compressed during decoding, then the question: exact match."""
+    from zipage.cli.eval import recall
+
+    run_task(recall, shared, num_samples=num_samples, tokens=tokens)
+
+
+@eval_app.command("vartrack", epilog="Example:\n\n  zipage eval vartrack --hops 3 --length 1024")
+@shared_options
+def vartrack_command(
+    num_samples: int = typer.Option(12, help="Samples."),
+    length: int = typer.Option(512, help="Prompt length in tokens."),
+    hops: int = typer.Option(2, help="Variables in the asked chain (VAR A = 12345, VAR B = VAR A, ...)."),
+    shared: dict = None,
+):
+    """Variable tracking through a compressed prompt: follow a chain of assignments (multi-step)."""
+    from zipage.cli.eval import vartrack
+
+    run_task(vartrack, shared, num_samples=num_samples, length=length, hops=hops)
+
+
+@eval_app.command("leaderboard", epilog="Example:\n\n  zipage eval leaderboard needle.json recall.json fidelity.json")
+def leaderboard_command(paths: list[str] = typer.Argument(..., help="JSON results written by the tasks' --json.")):
+    """One table from several tasks' JSON results: configuration x task x budget."""
+    import json
+
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            err.print(f"[red]error:[/] {path}: {e}")
+            raise typer.Exit(2)
+    typer.echo(ec.leaderboard(results))
+
+
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected integers separated by commas", param_hint=option) from None

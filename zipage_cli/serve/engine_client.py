@@ -1,0 +1,199 @@
+"""The server's side of the engine process (engine/api/process.py), on its asyncio event loop.
+
+The loop reads the child's turns itself, with a reader on the pipe: one callback per engine step
+hands every request its new token ids, with no thread or lock in between. A request's reader takes
+what has gathered when it is ready for more, as one output: text is detokenized then, once for all
+the ids it finds, so a reader that lags sends fewer, larger chunks and catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+
+from zipage.engine.config import SamplingParams
+from zipage.engine.core.outputs import RequestOutput
+from zipage.engine.events import EngineSnapshot
+from zipage.engine.api.process import EngineGone, EngineProcess, Turn
+from zipage.engine.api.protocol import Abort, Submit, TakeSnapshot
+from zipage.engine.api.request_stream import RequestStream
+from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, Subscribers
+
+SNAPSHOT_MAX_AGE_S = 0.25  # a snapshot younger than this is served again rather than asked for
+
+
+class Feed:
+    """One request's outputs for its reader on the event loop."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.arrived = asyncio.Event()
+
+    async def next(self) -> RequestOutput:
+        """Everything new since the last call, as one output (finished: the last one)."""
+        while True:
+            out = self.stream.take()
+            if out is not None:
+                return out
+            self.arrived.clear()
+            await self.arrived.wait()
+
+
+@dataclass
+class Submitted:
+    """A request the engine took: its id there, its prompt's length, and its outputs."""
+
+    id: int
+    prompt_tokens: int
+    feed: Feed
+
+
+class EngineClient:
+    """An AsyncFrontDoor (engine/api/protocol.py) to an EngineProcess, on one event loop.
+    `start()` and `close()` run on that loop (the server's startup and shutdown)."""
+
+    def __init__(self, process: EngineProcess):
+        self.process = process
+        self.config = process.config
+        self.max_model_len = process.max_model_len
+        self.failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._keys = itertools.count()
+        self._submits: dict[int, tuple[asyncio.Future, SamplingParams, str | None]] = {}
+        self._feeds: dict[int, Feed] = {}
+        self._snapshot_waiters: dict[int, asyncio.Future] = {}
+        self._snapshot = process.first_snapshot
+        self._snapshot_time = 0.0
+        self._subscribers = Subscribers()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if not self.process.alive:
+            self._fail(self.process.exit_reason or "the engine process is not running")
+            return
+        self._loop.add_reader(self.process.fileno(), self._on_readable)
+
+    def close(self) -> None:
+        """Stop reading; requests still open end with an error (the process is closed by its owner)."""
+        self._fail("the server is shutting down")
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self.process.alive
+
+    # -- requests ------------------------------------------------------------------------------
+    async def submit(self, prompt, params: SamplingParams, session: str | None = None) -> Submitted:
+        """Tokenize here, then hand the request to the engine. ValueError for a prompt or request the
+        engine refuses (the message says why), EngineGone when there is no engine to take it."""
+        self._check_alive()
+        ids = await asyncio.to_thread(self.process.prompts.read, prompt)  # long texts must not stall the loop
+        self._check_alive()
+        key = next(self._keys)
+        accepted = self._loop.create_future()
+        self._submits[key] = (accepted, params, session)
+        try:
+            self.process.send(Submit(ids, params, session, key=key))
+        except EngineGone:
+            del self._submits[key]
+            raise
+        return await accepted
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its blocks; a no-op once it ended."""
+        if request_id in self._feeds and self.failure is None:
+            try:
+                self.process.send(Abort(request_id))
+            except EngineGone:
+                pass
+
+    async def snapshot(self, fresh: bool = False) -> EngineSnapshot:
+        """A snapshot taken now (`fresh`), else one at most SNAPSHOT_MAX_AGE_S old; the last one
+        known once the engine is gone."""
+        if self.failure is not None or (not fresh and time.monotonic() - self._snapshot_time < SNAPSHOT_MAX_AGE_S):
+            return self._snapshot
+        key = next(self._keys)
+        waiter = self._loop.create_future()
+        self._snapshot_waiters[key] = waiter
+        try:
+            self.process.send(TakeSnapshot(key))
+        except EngineGone:
+            del self._snapshot_waiters[key]
+            return self._snapshot
+        return await waiter
+
+    def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
+        """A queue of every engine Event from now on (the oldest dropped once `maxsize` wait unread)."""
+        return self._subscribers.subscribe(maxsize)
+
+    def unsubscribe(self, q: EventQueue) -> None:
+        self._subscribers.unsubscribe(q)
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineGone(self.failure)
+
+    # -- the child's turns -----------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        for turn in self.process.receive():
+            self._apply(turn)
+        if self.process.exit_reason is not None:
+            self._fail(self.process.exit_reason)
+
+    def _apply(self, turn: Turn) -> None:
+        feeds = self._feeds
+        for key, request_id, prompt_tokens in turn.accepted:
+            accepted, params, session = self._submits.pop(key)
+            feed = feeds[request_id] = Feed(RequestStream(request_id, session, self.process.tokenizer, params))
+            if accepted.cancelled():  # its caller left while the engine took it
+                self.abort(request_id)
+            else:  # it may end before its caller runs again: the feed goes along
+                accepted.set_result(Submitted(request_id, prompt_tokens, feed))
+        for key, why in turn.refused:
+            accepted = self._submits.pop(key)[0]
+            if not accepted.cancelled():
+                accepted.set_exception(why)
+        for request_id, ids, delta in turn.tokens:
+            feed = feeds.get(request_id)
+            if feed is not None:
+                feed.stream.add(ids, delta)
+                feed.arrived.set()
+        for out in turn.ended:
+            feed = feeds.pop(out.id, None)
+            if feed is not None:
+                feed.stream.end(out)
+                feed.arrived.set()
+        if turn.events:
+            self._subscribers.publish(turn.events)
+        if turn.snapshot is not None:
+            keys, self._snapshot = turn.snapshot
+            self._snapshot_time = time.monotonic()
+            for key in keys:
+                waiter = self._snapshot_waiters.pop(key, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(self._snapshot)
+
+    def _fail(self, reason: str) -> None:
+        """The engine is gone: every request ends with an error, every waiter is answered."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self.process.fileno())
+            except (OSError, ValueError):  # the connection is already closed
+                pass
+        for feed in self._feeds.values():
+            feed.stream.fail(reason)
+            feed.arrived.set()
+        self._feeds.clear()
+        for accepted, *_ in self._submits.values():
+            if not accepted.done():
+                accepted.set_exception(EngineGone(reason))
+        self._submits.clear()
+        for waiter in self._snapshot_waiters.values():
+            if not waiter.done():
+                waiter.set_result(self._snapshot)
+        self._snapshot_waiters.clear()

@@ -1,0 +1,299 @@
+"""A running `zipage serve` as a FrontDoor (engine/api/protocol.py): the console holds it exactly as
+it holds a local EngineThread.
+
+One background thread runs an asyncio loop with an httpx client: it polls /zipage/snapshot, follows
+/zipage/events, and streams answers from /v1/chat/completions or /v1/completions. Aborting a request
+closes its stream; the server sees the disconnect and frees the request's blocks. Teaching mode
+(pause and single steps) needs the engine in this process, so it is refused here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import fields
+
+import httpx
+
+from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.engine.core.outputs import PromptTooLong, RequestOutput
+from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
+from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, RequestHandle, Subscribers
+from zipage.cli.serve.openai_protocol import CONTEXT_LENGTH_EXCEEDED
+from zipage.cli.serve.server import REQUEST_ID_HEADER
+
+POLL_S = 0.25  # snapshot refresh, the rate EngineThread publishes at
+CONNECT_TIMEOUT_S = 10.0
+EVENTS_READ_TIMEOUT_S = 15.0  # the server sends a keepalive every few seconds
+RETRY_S = 1.0
+# The server answers a request's headers once its engine has taken it, which takes a step at most;
+# a server that has not by then is hung (or stopped), and the request must not wait for ever.
+ACCEPT_TIMEOUT_S = 60.0
+
+
+class RemoteHandle(RequestHandle):
+    """A request streamed from the server; iterating yields text deltas, as with a local handle."""
+
+    task: asyncio.Task | None = None
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.tokenizer = None  # tokenization happens on the server
+        self.failure: BaseException | None = None
+        self._poll_error: str | None = None  # why the snapshot is not current, None while it is
+        self._events_error: str | None = None
+        self.config, self._snapshot = self._connect(api_key is not None)
+        self._subscribers = Subscribers()
+        self._handles: set[RemoteHandle] = set()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="zipage-remote", daemon=True)
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._call(self._open_client())
+        self._background = [self._call(self._spawn(self._poll_snapshots())),
+                            self._call(self._spawn(self._follow_events()))]
+
+    def _connect(self, keyed: bool) -> tuple[EngineConfig, EngineSnapshot]:
+        """The server's config and snapshot; every problem becomes a ValueError that says what to fix."""
+        try:
+            with httpx.Client(base_url=self.url, headers=self.headers, timeout=CONNECT_TIMEOUT_S) as client:
+                config = self._get(client, "/zipage/config", keyed)
+                snapshot = self._get(client, "/zipage/snapshot", keyed)
+        except httpx.InvalidURL as e:  # not an httpx.HTTPError: raised before any request is sent
+            raise ValueError(f"{self.url} is not a valid URL: {_describe(e)}") from None
+        try:
+            known = {f.name for f in fields(EngineConfig)}
+            return EngineConfig(**{k: v for k, v in config.items() if k in known}), snapshot_from_dict(snapshot)
+        except (AttributeError, KeyError, TypeError, ValueError):  # some other server's JSON
+            raise ValueError(f"{self.url} answered, but not as a zipage server does: is it `zipage serve`?") from None
+
+    def _get(self, client: httpx.Client, path: str, keyed: bool):
+        try:
+            response = client.get(path)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach a zipage server at {self.url}: {_describe(e)}") from None
+        if response.status_code == 401 and keyed:
+            raise ValueError(f"{self.url} refused the API key: check --api-key (or ZIPAGE_API_KEY)")
+        if response.status_code == 401:
+            raise ValueError(f"{self.url} wants an API key: pass --api-key (or set ZIPAGE_API_KEY)")
+        if response.status_code != 200:
+            raise ValueError(f"{self.url}{path} answered {response.status_code}: is it a zipage server?")
+        try:
+            return response.json()
+        except ValueError:
+            raise ValueError(f"{self.url}{path} did not answer JSON: is it a zipage server?") from None
+
+    # -- the loop thread -------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the loop thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _open_client(self) -> httpx.AsyncClient:
+        # No read timeout: an answer may wait in the server's queue for a long time.
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers,
+                                 timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None))
+
+    async def _spawn(self, coro) -> asyncio.Task:
+        return asyncio.create_task(coro)
+
+    @property
+    def error(self) -> str | None:
+        """Why the snapshot and events are not current (the server is gone, or its engine stopped);
+        None while they are."""
+        return self._poll_error or self._events_error
+
+    async def _poll_snapshots(self) -> None:
+        while True:
+            self._poll_error = await self._poll_once()
+            await asyncio.sleep(POLL_S)
+
+    async def _poll_once(self) -> str | None:
+        """Refresh the snapshot; returns what keeps it from being current, or None."""
+        try:
+            response = await self._client.get("/zipage/snapshot", timeout=CONNECT_TIMEOUT_S)
+            response.raise_for_status()
+            self._snapshot = snapshot_from_dict(response.json())
+            # A server whose engine died still serves that engine's last snapshot: only /health tells.
+            health = await self._client.get("/health", timeout=CONNECT_TIMEOUT_S)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            return f"lost the server at {self.url}: {_describe(e)}"
+        if health.status_code != 200:
+            return f"the server at {self.url} answers, but {_error_message(health)}"
+        return None
+
+    async def _follow_events(self) -> None:
+        while True:
+            try:
+                async with self._client.stream("GET", "/zipage/events",
+                                               timeout=httpx.Timeout(CONNECT_TIMEOUT_S,
+                                                                     read=EVENTS_READ_TIMEOUT_S)) as response:
+                    response.raise_for_status()
+                    self._events_error = None
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            self._subscribers.publish([event_from_dict(json.loads(line[6:]))])
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                self._events_error = f"lost the event stream of {self.url}: {_describe(e)}"
+            await asyncio.sleep(RETRY_S)
+
+    # -- the FrontDoor protocol ------------------------------------------------------
+    def snapshot(self, fresh: bool = False) -> EngineSnapshot:
+        if fresh:
+            async def fetch():
+                response = await self._client.get("/zipage/snapshot", params={"fresh": 1},
+                                                   timeout=CONNECT_TIMEOUT_S)
+                response.raise_for_status()
+                return snapshot_from_dict(response.json())
+
+            self._snapshot = self._call(fetch())
+        return self._snapshot
+
+    def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
+        return self._subscribers.subscribe(maxsize)
+
+    def unsubscribe(self, q: EventQueue) -> None:
+        self._subscribers.unsubscribe(q)
+
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RemoteHandle:
+        """Chat messages go to /v1/chat/completions, text or token ids to /v1/completions. The server's
+        refusal (bad values, prompt too long) raises ValueError here, as a local engine would."""
+        params = params or SamplingParams()
+        params.validate()
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        body = {"model": self.config.model, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True, "user": session, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                "max_tokens": params.max_tokens, "seed": params.seed, "stop": params.stop or None,
+                "ignore_eos": params.ignore_eos, "kv_budget": params.kv_budget,
+                ("messages" if chat else "prompt"): prompt}
+        handle = self._call(self._start(f"/v1/{'chat/' if chat else ''}completions", body, session))
+        with self._lock:
+            self._handles.add(handle)
+        return handle
+
+    async def _start(self, path: str, body: dict, session: str | None) -> RemoteHandle:
+        try:
+            response = await asyncio.wait_for(
+                self._client.send(self._client.build_request("POST", path, json=body), stream=True), ACCEPT_TIMEOUT_S)
+        except asyncio.TimeoutError:  # the connection is closed, so a server that wakes up drops the request
+            raise RuntimeError(f"the server at {self.url} did not take the request within {ACCEPT_TIMEOUT_S:g} s: "
+                               "is it hung?") from None
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"cannot reach the server at {self.url}: {_describe(e)}") from None
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            raise _refusal(response)
+        handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0)
+        handle.task = asyncio.create_task(self._read(response, handle))
+        return handle
+
+    async def _read(self, response: httpx.Response, handle: RemoteHandle) -> None:
+        text, token_ids, reason, error = "", [], None, None
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    reason, error = "error", chunk["error"]["message"]
+                    break
+                if chunk.get("usage"):
+                    handle.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for choice in chunk["choices"]:
+                    delta = (choice["delta"].get("content") or "") if "delta" in choice else choice.get("text", "")
+                    token_ids += choice.get("token_ids") or []
+                    reason = choice.get("finish_reason") or reason
+                    if delta:
+                        text += delta
+                        handle._push(RequestOutput(handle.id, handle.session, [], [], text, delta, False,
+                                                   num_output_tokens=len(token_ids)))
+        except asyncio.CancelledError:
+            reason = "abort"  # abort(): closing the stream below tells the server to stop
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            reason, error = "error", f"the stream from {self.url} broke: {_describe(e)}"
+        finally:
+            await response.aclose()
+            if reason is None:
+                reason, error = "error", "the server ended the stream without a finish reason"
+            handle._push(RequestOutput(handle.id, handle.session, [], token_ids, text, "", True, reason, error,
+                                       num_output_tokens=len(token_ids)))
+            with self._lock:
+                self._handles.discard(handle)
+
+    def abort(self, handle: RemoteHandle | int) -> None:
+        """Close the request's stream (the server frees its blocks); unknown or finished ids are ignored."""
+        if not isinstance(handle, RemoteHandle):
+            with self._lock:
+                handle = next((h for h in self._handles if h.id == int(handle)), None)
+        if handle is not None and handle.task is not None:
+            self._loop.call_soon_threadsafe(handle.task.cancel)
+
+    # Teaching mode holds the engine loop; a server's engine serves others and cannot be held from here.
+    def pause(self) -> None:
+        raise RuntimeError("teaching mode needs the engine in this process; it is not available with --attach")
+
+    def step_once(self, timeout: float = 30.0) -> EngineSnapshot:
+        self.pause()
+
+    def resume(self) -> None:
+        pass  # never paused
+
+    @property
+    def paused(self) -> bool:
+        return False
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop following the server and end this client's own requests there; the server keeps running."""
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown():
+            with self._lock:
+                tasks = [h.task for h in self._handles if h.task is not None]
+            for task in tasks + self._background:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+            await self._client.aclose()
+
+        self._call(shutdown(), timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _error_fields(response: httpx.Response) -> tuple[str, str | None]:
+    """The message and code of an OpenAI-shaped error body, else the body itself and no code."""
+    try:
+        error = response.json()["error"]
+        return error["message"], error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text, None
+
+
+def _error_message(response: httpx.Response) -> str:
+    return _error_fields(response)[0]
+
+
+def _refusal(response: httpx.Response) -> ValueError:
+    """A refused request as the local engine would have raised it."""
+    message, code = _error_fields(response)
+    return (PromptTooLong if code == CONTEXT_LENGTH_EXCEEDED else ValueError)(message)
+
+
+def _describe(e: Exception) -> str:
+    return str(e) or type(e).__name__  # httpx's timeouts carry no message
