@@ -11,13 +11,14 @@ and how many blocks each holds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 from zipage.engine.loading.loader import resolve_model
+
+import bench_common
 
 PROMPT = "Think step by step and explain, in detail, how long division works, with three worked examples."
 
@@ -58,26 +59,21 @@ def measure(source, compression: bool, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=2048)
+    parser = bench_common.parser(__doc__, DEFAULT_MODEL)
+    bench_common.add_fixed_output_flags(parser, num_requests=64, output_len=2048)
     parser.add_argument("--pool-blocks", type=int, default=400)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--modes", default="zipage,fullkv")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    args = bench_common.parse_args(parser, argv)
     source = resolve_model(args.model)
     results = {"model": args.model, "args": vars(args), "modes": {}}
     for mode in args.modes.split(","):
         r = measure(source, mode == "zipage", args)
         results["modes"][mode] = r
         print(json.dumps(r), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        bench_common.write_json(args.json, results)
     return results
 
 

@@ -13,15 +13,14 @@ processes on a shared CPU falls on all of them alike); the median of each mode i
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
 
 import torch
 
 from zipage.engine.config import DEFAULT_MODEL
+
+import bench_common
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a short poem about autumn.", "What causes the tides?",
@@ -114,23 +113,19 @@ def interleaved(runs: dict, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser = bench_common.parser(__doc__, DEFAULT_MODEL)
+    bench_common.add_fixed_output_flags(parser, num_requests=16, output_len=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for every mode (default: torch's choice)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    args = bench_common.parse_args(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
-               "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "machine": platform.processor() or platform.machine(), "modes": {}}
+               **bench_common.cpu_description(), "modes": {}}
     modes = args.modes.split(",")
     from zipage.engine import LLM
 
@@ -161,9 +156,7 @@ def main(argv=None) -> dict:
         base = results["modes"]["hf-generate"]["tok_per_s"]
         results["over_hf_generate"] = {m: r["tok_per_s"] / base for m, r in results["modes"].items()}
         print("over hf-generate: " + ", ".join(f"{m} {x:.2f}x" for m, x in results["over_hf_generate"].items()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    bench_common.write_json(args.json, results)
     return results
 
 

@@ -8,16 +8,12 @@ mode in turn, in one process, and compares every request's tokens against the fi
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_throughput import make_workload  # noqa: E402
+import bench_common
 
 MODES = {"fullkv": dict(compression=False), "fixed": dict(budget_policy="fixed"),
          "elastic": dict(budget_policy="elastic")}
@@ -44,24 +40,13 @@ def serve(model: str, prompts, outputs, knobs: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser = bench_common.parser(__doc__, "random:qwen3-0.6b")
     parser.add_argument("--modes", default="fullkv,elastic,fixed", help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--min-input", type=int, default=128)
-    parser.add_argument("--max-input", type=int, default=512)
-    parser.add_argument("--min-output", type=int, default=4096)
-    parser.add_argument("--max-output", type=int, default=16384)
+    bench_common.add_workload_flags(parser, num_requests=16, min_output=4096, max_output=16384, seed=1)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    args = bench_common.parse_args(parser, argv)
 
-    from zipage.engine.loading.loader import resolve_model
-
-    vocab = resolve_model(args.model).hf_config.vocab_size
-    prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,
-                                     args.max_output, min(vocab, 32000), args.seed)
+    prompts, outputs = bench_common.workload(args)
     results = {"model": args.model, "args": vars(args), "total_output_tokens": sum(outputs), "modes": {}}
     reference = None
     for mode in args.modes.split(","):
@@ -72,8 +57,7 @@ def main(argv=None) -> dict:
         r["identical_to_first_mode"] = sum(a == b for a, b in zip(tokens, reference))
         results["modes"][mode] = r
         print(f"{mode}: {json.dumps(r)}", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
+        bench_common.write_json(args.json, results)
     return results
 
 

@@ -26,7 +26,6 @@ the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -34,6 +33,8 @@ import statistics
 import time
 
 import torch
+
+import bench_common
 
 FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
 COMMITTED: dict = {}  # the skinny-path settings as committed, read on first use
@@ -257,8 +258,7 @@ def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser = bench_common.parser(__doc__, "random:qwen3-0.6b")
     parser.add_argument("--variants", default="fused")
     parser.add_argument("--sections", default="interactive,step,loaded")
     parser.add_argument("--concurrency", default="1,4,16")
@@ -273,10 +273,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="plan each decode step while the previous one runs (auto: the engine's default)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
-    parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run")
-    args = parser.parse_args(argv)
+    args = bench_common.parse_args(parser, argv)
     if args.skinny_table:
         from gpu_skinny import load_table
 
@@ -286,8 +285,8 @@ def main(argv=None) -> dict:
     from zipage.engine.core.engine_core import EngineCore
 
     on_gpu = args.device != "cpu"
-    results = {"model": args.model, "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-               "args": vars(args), "variants": {}}
+    results = {"model": args.model, **bench_common.device_description(args.device), "args": vars(args),
+               "variants": {}}
     sections = args.sections.split(",")
     if not on_gpu:  # kernel counts and graph replays need CUDA
         sections = [x for x in sections if x != "step"]
@@ -295,9 +294,7 @@ def main(argv=None) -> dict:
     log = lambda line: print(line, flush=True)  # noqa: E731
 
     def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        bench_common.write_json(args.json, results)
 
     for variant in args.variants.split(","):
         use_variant(variant)

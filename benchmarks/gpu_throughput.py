@@ -26,27 +26,18 @@ mode; --device cpu with --num-kv-blocks checks the script on a CPU with a tiny m
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import random
 import time
 
 import torch
+
+import bench_common
 
 
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int, vocab: int, seed: int):
-    rng = random.Random(seed)
-    prompts, outputs = [], []
-    for _ in range(num):
-        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(min_in, max_in))])
-        outputs.append(rng.randint(min_out, max_out))
-    return prompts, outputs
 
 
 def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log,
@@ -166,16 +157,11 @@ def ratios(zipage: dict, fullkv: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser = bench_common.parser(__doc__, "random:qwen3-0.6b")
     parser.add_argument("--modes", default="zipage,fullkv,hf",
                         help="comma-separated: zipage, elastic (zipage with elastic budgets), fullkv, hf")
-    parser.add_argument("--num-requests", type=int, default=256)
+    bench_common.add_workload_flags(parser, num_requests=256, min_output=2048, max_output=8192, seed=0)
     parser.add_argument("--hf-num-requests", type=int, default=None, help="fewer requests for hf (default: all)")
-    parser.add_argument("--min-input", type=int, default=128)
-    parser.add_argument("--max-input", type=int, default=512)
-    parser.add_argument("--min-output", type=int, default=2048)
-    parser.add_argument("--max-output", type=int, default=8192)
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the pool in blocks instead")
     parser.add_argument("--block-size", type=int, default=256)
@@ -187,29 +173,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="overlapped decode steps (auto: on for CUDA)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop each engine mode after this long (its saturated phase still counts)")
-    parser.add_argument("--json", default=None)
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
-    args = parser.parse_args(argv)
+    args = bench_common.parse_args(parser, argv)
 
-    from zipage.engine.loading.loader import resolve_model
     from zipage.cli.bench import kv_footprint
 
-    vocab = resolve_model(args.model).hf_config.vocab_size
-    prompts, outputs = make_workload(args.num_requests, args.min_input, args.max_input, args.min_output,
-                                     args.max_output, min(vocab, 32000), args.seed)
+    prompts, outputs = bench_common.workload(args)
     engine_kwargs = dict(device=args.device, block_size=args.block_size, max_cache_blocks_per_seq=args.budget,
                          budget_policy=args.budget_policy,
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                          num_kv_blocks=args.num_kv_blocks,
                          enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                          overlap_steps={"auto": None, "on": True, "off": False}[args.overlap])
-    device_name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
-    results = {"model": args.model, "gpu": device_name, "torch": torch.__version__,
-               "args": vars(args), "total_output_tokens": sum(outputs),
+    results = {"model": args.model, **bench_common.device_description(args.device), "args": vars(args),
+               "total_output_tokens": sum(outputs),
                # the concurrency compression can buy when the pool is the limit (see kv_footprint)
                "kv_footprint": kv_footprint([len(p) for p in prompts], outputs, args.block_size, args.budget),
                "modes": {}}
@@ -236,9 +216,7 @@ def main(argv=None) -> dict:
                 results[key] = ratios(done[zipage_mode], done["fullkv"])
                 log(f"{zipage_mode} / full KV: {json.dumps(results[key])}")
         log(f"{args.model} {mode}: " + json.dumps(r))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        bench_common.write_json(args.json, results)
     return results
 
 

@@ -39,6 +39,44 @@ def _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N: tl.constexp
     return tl.maximum(blk, 0).to(tl.int64), t_ok & (blk >= 0)
 
 
+@triton.jit
+def softmax_fold(s, m_i, l_i):
+    """Online softmax in base 2: the running row max and sum after one more tile of scores s
+    [rows, keys] (-inf where masked), plus the tile's probabilities against the new max and the
+    factor that rescales what was summed before."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: avoid -inf - -inf = nan
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh, d, d_ok,
+    scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """Fold the key tile at positions t (valid where t_ok) of one kv head, read through the block
+    table, into the running (max, sum, accumulator) of the query rows q. CAUSAL also hides keys
+    past each row's position q_pos; without it only missing keys are hidden."""
+    blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
+    off = t % BLOCK_SIZE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if CAUSAL:
+        s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
+    v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_i, l_i, acc
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -113,23 +151,11 @@ def _decode_partition_kernel(
     n = tl.arange(0, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + n
-        t_ok = t < end
-        blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
-        off = t % BLOCK_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        # Every key of the context precedes the one query, so nothing is causally hidden.
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width,
+                                     t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
+                                     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                     BLOCK_N, BLOCK_SIZE, False, PREC)
 
     if SINGLE:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -308,24 +334,10 @@ def _prefill_kernel(
     n = tl.arange(0, BLOCK_N)
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + n
-        t_ok = t < kv_end
-        blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
-        off = t % BLOCK_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        allowed = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width,
+                                     t0, t, t < kv_end, q_pos, kvh, d, d_ok, scale_log2,
+                                     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                     BLOCK_N, BLOCK_SIZE, True, PREC)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + d[None, :] * s_od,

@@ -81,6 +81,23 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
 
 
 @triton.jit
+def _compact_tile(slot_ptr, s_j, keep, h, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's entries j of the keep list for head h: their slots (stride s_j; -1 clamped to
+    0, ok marks real ones), each slot's block and offset, the head dims d, the element mask and the
+    offsets in the [keep, KV_HEADS, HEAD_DIM] buffer. Gather and scatter must agree on all of it."""
+    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    j_ok = j < keep
+    slot = tl.load(slot_ptr + j.to(tl.int64) * s_j, mask=j_ok, other=-1).to(tl.int64)
+    ok = j_ok & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    d = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+    tmp = (j.to(tl.int64) * KV_HEADS + h)[:, None] * HEAD_DIM + d[None, :]
+    return j, slot, ok, slot // BLOCK_SIZE, slot % BLOCK_SIZE, d, mask, tmp
+
+
+@triton.jit
 def _compact_gather_kernel(
     k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, keep,
     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj,
@@ -89,16 +106,8 @@ def _compact_gather_kernel(
 ):
     """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous)."""
     h = tl.program_id(1)
-    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    j_ok = j < keep
-    src = tl.load(src_ptr + h * s_sh + j.to(tl.int64) * s_sj, mask=j_ok, other=-1).to(tl.int64)
-    ok = j_ok & (src >= 0)
-    src = tl.maximum(src, 0)
-    blk = src // BLOCK_SIZE
-    off = src % BLOCK_SIZE
-    d = tl.arange(0, D_PAD)
-    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-    tmp = (j.to(tl.int64) * KV_HEADS + h)[:, None] * HEAD_DIM + d[None, :]
+    _, _, _, blk, off, d, mask, tmp = _compact_tile(src_ptr + h * s_sh, s_sj, keep, h,
+                                                    KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
     k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + h * s_kh + d[None, :] * s_kd, mask=mask)
     tl.store(tmp_k_ptr + tmp, k, mask=mask)
     v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + h * s_vh + d[None, :] * s_vd, mask=mask)
@@ -114,16 +123,8 @@ def _compact_scatter_kernel(
 ):
     """tmp[j, h, :] -> slot dst[j] of head h; and the kept score of (h, j) into the score cache."""
     h = tl.program_id(1)
-    j = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    j_ok = j < keep
-    dst = tl.load(dst_ptr + j.to(tl.int64) * s_dj, mask=j_ok, other=-1).to(tl.int64)
-    ok = j_ok & (dst >= 0)
-    dst = tl.maximum(dst, 0)
-    blk = dst // BLOCK_SIZE
-    off = dst % BLOCK_SIZE
-    d = tl.arange(0, D_PAD)
-    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-    tmp = (j.to(tl.int64) * KV_HEADS + h)[:, None] * HEAD_DIM + d[None, :]
+    j, dst, ok, blk, off, d, mask, tmp = _compact_tile(dst_ptr, s_dj, keep, h,
+                                                       KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
     k = tl.load(tmp_k_ptr + tmp, mask=mask)
     tl.store(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + h * s_kh + d[None, :] * s_kd, k, mask=mask)
     v = tl.load(tmp_v_ptr + tmp, mask=mask)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zipage.kernels.triton_attention import LOG2E, dot_precision, next_pow2
+from zipage.kernels.triton_attention import LOG2E, dot_precision, next_pow2, softmax_fold
 
 WINDOW_SPLIT = 512  # keys per program of the window-score statistics pass
 ELEMENTWISE_BLOCK = 1024
@@ -65,10 +65,7 @@ def _window_stats_kernel(
                                     s_t, s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         s = tl.where(ok[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
-        m_i = m_new
+        m_i, l_i, _, _ = softmax_fold(s, m_i, l_i)
     out = (kvh * num_splits + sp) * R + r
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
@@ -231,25 +228,42 @@ def _segment_range(first, count, seg, padded, TILE: tl.constexpr):
 
 
 @triton.jit
+def _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              OWN: tl.constexpr, OTHER: tl.constexpr):
+    """This program's kv head, its OWN token indices with their unit keys, and the range of the
+    other side to sweep (its segments, in tiles of OTHER)."""
+    kvh = tl.program_id(0)
+    first = tl.program_id(1) * OWN
+    idx = first + tl.arange(0, OWN)
+    unit = _unit_rows(keys_ptr, kvh, idx, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
+    lo, hi = _segment_range(first, OWN, seg, padded, OTHER)
+    return kvh, idx, unit, lo, hi
+
+
+@triton.jit
+def _segment_sims(um, un, m, n, m_ok, n_ok, seg, PREC: tl.constexpr):
+    """Cosine similarity of unit keys rows m x columns n (0 on the diagonal), and which pairs are
+    valid and share a segment. Both passes must see the very same values."""
+    sim = tl.dot(um, tl.trans(un), input_precision=PREC)
+    sim = tl.where(m[:, None] == n[None, :], 0.0, sim)
+    same = m_ok[:, None] & n_ok[None, :] & ((m // seg)[:, None] == (n // seg)[None, :])
+    return sim, same
+
+
+@triton.jit
 def _latest_duplicate_kernel(
     keys_ptr, latest_ptr, T, padded, seg, threshold, s_kh, s_kt, s_kd,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Pass 1: for each column n, the largest row m of its segment with sim(m, n) > threshold
     (diagonal counted as similarity 0), or -1."""
-    kvh = tl.program_id(0)
-    n0 = tl.program_id(1) * BN
-    n = n0 + tl.arange(0, BN)
+    kvh, n, un, lo, hi = _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD, BN, BM)
     n_ok = n < padded
-    un = _unit_rows(keys_ptr, kvh, n, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
-    lo, hi = _segment_range(n0, BN, seg, padded, BM)
     latest = tl.full([BN], -1, tl.int32)
     for m0 in range(lo, hi, BM):
         m = m0 + tl.arange(0, BM)
         um = _unit_rows(keys_ptr, kvh, m, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
-        sim = tl.dot(um, tl.trans(un), input_precision=PREC)
-        sim = tl.where(m[:, None] == n[None, :], 0.0, sim)
-        same = (m < padded)[:, None] & n_ok[None, :] & ((m // seg)[:, None] == (n // seg)[None, :])
+        sim, same = _segment_sims(um, un, m, n, m < padded, n_ok, seg, PREC)
         near = same & (sim > threshold)
         latest = tl.maximum(latest, tl.max(tl.where(near, m[:, None], -1), axis=0))
     tl.store(latest_ptr + kvh * padded + n, latest, mask=n_ok)
@@ -261,20 +275,14 @@ def _redundancy_sums_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Pass 2: row sums of similarity within the row's segment, without (latest[n], n) pairs."""
-    kvh = tl.program_id(0)
-    m0 = tl.program_id(1) * BM
-    m = m0 + tl.arange(0, BM)
+    kvh, m, um, lo, hi = _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD, BM, BN)
     m_ok = m < T
-    um = _unit_rows(keys_ptr, kvh, m, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
-    lo, hi = _segment_range(m0, BM, seg, padded, BN)
     acc = tl.zeros([BM], tl.float32)
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         n_ok = n < padded
         un = _unit_rows(keys_ptr, kvh, n, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
-        sim = tl.dot(um, tl.trans(un), input_precision=PREC)
-        sim = tl.where(m[:, None] == n[None, :], 0.0, sim)
-        same = m_ok[:, None] & n_ok[None, :] & ((m // seg)[:, None] == (n // seg)[None, :])
+        sim, same = _segment_sims(um, un, m, n, m_ok, n_ok, seg, PREC)
         sim = tl.where(same, sim, 0.0)
         latest = tl.load(latest_ptr + kvh * padded + n, mask=n_ok, other=-2)
         spared = same & (sim > threshold) & (m[:, None] == latest[None, :])

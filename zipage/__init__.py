@@ -10,7 +10,8 @@ import importlib
 # `zipage models` never pay for importing torch and transformers.
 _PUBLIC = {"LLM": "zipage.engine.api.llm", "SamplingParams": "zipage.engine.config",
            "EngineConfig": "zipage.engine.config", "EngineThread": "zipage.engine.api.thread",
-           "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core.engine_core"}
+           "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core.outputs",
+           "PromptTooLong": "zipage.engine.core.outputs"}
 
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sys
-from typing import NoReturn
+import time
+from typing import Callable, Iterator, NoReturn
 
 import typer
 from rich.console import Console
@@ -25,10 +28,41 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 
+INTERRUPTED = 130  # the shell's status for a command stopped by Ctrl+C (128 + SIGINT)
+
+
+def _exit_with_error(message: str, status: int) -> NoReturn:
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(status)
+
+
 def usage_error(message: str) -> NoReturn:
     """Bad input on the command line: one red line on stderr and exit status 2, no traceback."""
-    err.print(f"[red]error:[/] {message}")
-    raise typer.Exit(2)
+    _exit_with_error(message, 2)
+
+
+def run_failed(message: str) -> NoReturn:
+    """The input was fine but the work failed: one red line on stderr and exit status 1, no traceback."""
+    _exit_with_error(message, 1)
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """The checks of options and prompts raise ValueError: inside this block, that is a usage error."""
+    try:
+        yield
+    except ValueError as e:
+        usage_error(f"{e}")
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(clean_up: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Ctrl+C inside this block ends the command quietly, after `clean_up`, with no traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        clean_up()
+        raise typer.Exit(INTERRUPTED)
 
 
 @app.command(epilog="Examples:\n\n  zipage generate \"Why is the sky blue?\"\n\n"
@@ -56,10 +90,22 @@ def generate(
     engine_kwargs: dict = None,
 ):
     """Stream the model's answer to a prompt to standard output."""
-    import time
-
     from zipage.engine.config import SamplingParams
 
+    prompt = _read_prompt(prompt)
+    with usage_errors():
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed,
+                                kv_budget=_blocks(kv_budget, "--kv-budget"))
+    service = _load_engine(engine_kwargs)
+    try:
+        _answer(service, prompt, params, raw, system, stats)
+    finally:
+        service.close()
+
+
+def _read_prompt(prompt: str | None) -> str:
+    """The prompt argument, else standard input (unless that is a terminal nobody types into)."""
     if prompt is None:
         if sys.stdin.isatty():
             usage_error("give a prompt as an argument or on standard input")
@@ -70,45 +116,52 @@ def generate(
             usage_error(f"standard input is not valid UTF-8: {e}")
     if not prompt.strip():
         usage_error("the prompt is empty; give some text to answer")
-    try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed,
-                                kv_budget=_blocks(kv_budget, "--kv-budget"))
-    except ValueError as e:
-        usage_error(f"{e}")
-    service = _load_engine(engine_kwargs)
+    return prompt
+
+
+def _answer(service, prompt: str, params, raw: bool, system: str | None, stats: bool) -> None:
+    """Submit the prompt and stream its answer; Ctrl+C aborts the request, so that its blocks are freed."""
     handle = None
-    try:
-        messages = None
-        if not raw and getattr(service.tokenizer, "chat_template", None):
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
+
+    def abort() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not break the clean-up
+        if handle is not None:
+            service.abort(handle)
+
+    with exit_on_interrupt(abort), usage_errors():
+        request = _chat_or_text(service, prompt, raw, system)
         start = time.monotonic()
-        handle = service.submit(messages or prompt, params, session="cli")
-        for delta in handle:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        out = handle.result()
-        sys.stdout.write("\n")
-        if out.finish_reason == "error":
-            err.print(f"[red]error:[/] {out.error}")
-            raise typer.Exit(1)
-        if out.error:  # ended early for a reason of its own (e.g. it outgrew the KV pool): the answer is cut
-            err.print(f"[red]error:[/] the answer was cut short ({out.finish_reason}): {out.error}")
-            raise typer.Exit(1)
+        handle = service.submit(request, params, session="cli")
+        out = _write_answer(handle)
+        _check_complete(out)
         if stats:
             seconds = time.monotonic() - start
             err.print(f"{len(out.token_ids)} tokens in {seconds:.2f} s "
                       f"({len(out.token_ids) / seconds:.1f} tok/s), finish: {out.finish_reason}")
-    except ValueError as e:
-        usage_error(f"{e}")
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not break the clean-up below
-        if handle is not None:
-            service.abort(handle)
-        raise typer.Exit(130)
-    finally:
-        service.close()
+
+
+def _chat_or_text(service, prompt: str, raw: bool, system: str | None):
+    """Chat messages for a model with a chat template (unless --raw), else the prompt as is."""
+    if raw or not getattr(service.tokenizer, "chat_template", None):
+        return prompt
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def _write_answer(handle):
+    """Write the answer to standard output as it arrives; its final output once it ends."""
+    for delta in handle:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    out = handle.result()
+    sys.stdout.write("\n")
+    return out
+
+
+def _check_complete(out) -> None:
+    if out.finish_reason == "error":
+        run_failed(f"{out.error}")
+    if out.error:  # ended early for a reason of its own (e.g. it outgrew the KV pool): the answer is cut
+        run_failed(f"the answer was cut short ({out.finish_reason}): {out.error}")
 
 
 def _blocks(value: str | None, option: str) -> int | None:
@@ -155,8 +208,6 @@ def _engine_process(engine_kwargs: dict):
 def _load_engine(engine_kwargs: dict, start=None):
     """Start the engine (an EngineThread, or what `start(engine_kwargs)` returns) behind a spinner; bad
     knobs or models exit with status 2, Ctrl+C with 130."""
-    import signal
-
     interrupted = []
 
     def on_interrupt(signum, frame):
@@ -166,31 +217,24 @@ def _load_engine(engine_kwargs: dict, start=None):
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        with err.status(f"loading {engine_kwargs.get('model', 'smollm2-135m')}..."):
-            if start is None:
-                from zipage.engine.api.thread import EngineThread
+        with exit_on_interrupt(), usage_errors():
+            try:
+                with err.status(f"loading {engine_kwargs.get('model', DEFAULT_MODEL)}..."):
+                    engine = (start or _engine_thread)(engine_kwargs)
+            except RuntimeError as e:
+                from zipage.engine.loading.loader import ModelUnavailable  # loaded already by whatever raised
+                from zipage.engine.api.process import EngineGone
 
-                start = lambda kwargs: EngineThread(**kwargs)  # noqa: E731
-            engine = start(engine_kwargs)
-    except ValueError as e:
-        usage_error(f"{e}")
-    except RuntimeError as e:
-        from zipage.engine.loading.loader import ModelUnavailable  # loaded already by whatever raised
-        from zipage.engine.api.process import EngineGone
-
-        if isinstance(e, ModelUnavailable):  # the built-in model is missing and could not be downloaded
-            usage_error(f"{e}")
-        if not isinstance(e, EngineGone):
-            raise
-        err.print(f"[red]error:[/] {e}")  # the engine's own process did not come up
-        raise typer.Exit(1)
-    except KeyboardInterrupt:  # quietly, as once the answer streams
-        raise typer.Exit(130)
+                if isinstance(e, ModelUnavailable):  # the built-in model is missing and could not be downloaded
+                    usage_error(f"{e}")
+                if not isinstance(e, EngineGone):
+                    raise
+                run_failed(f"{e}")  # the engine's own process did not come up
     finally:
         signal.signal(signal.SIGINT, previous)
     if interrupted:
         engine.close()
-        raise typer.Exit(130)
+        raise typer.Exit(INTERRUPTED)
     return engine
 
 
@@ -201,11 +245,8 @@ def _attach(url: str, api_key: str | None, engine_kwargs: dict):
     if engine_kwargs:
         options = ", ".join("--" + k.replace("_", "-") for k in engine_kwargs)
         usage_error(f"engine options ({options}) configure a local engine; with --attach the server's engine is used")
-    try:
-        with err.status(f"connecting to {url}..."):
-            return RemoteEngine(url, api_key)
-    except ValueError as e:
-        usage_error(f"{e}")
+    with usage_errors(), err.status(f"connecting to {url}..."):
+        return RemoteEngine(url, api_key)
 
 
 ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http://127.0.0.1:8000)."
@@ -226,10 +267,8 @@ def _check_writable(path: str | None, option: str) -> None:
 def _check_theme(theme: str) -> None:
     from zipage.cli.console.themes import check_theme
 
-    try:
+    with usage_errors():
         check_theme(theme)
-    except ValueError as e:
-        usage_error(f"{e}")
 
 
 @app.command(epilog="Examples:\n\n  zipage chat\n\n"
@@ -257,10 +296,8 @@ def chat(
     from zipage.cli.console.plain_chat import Conversation, run_plain
 
     _check_theme(theme)
-    try:
+    with usage_errors():
         SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    except ValueError as e:
-        usage_error(f"{e}")
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():
         if attach:
             _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
@@ -333,17 +370,13 @@ def top(
         finally:
             engine.close()
         return
-    try:
+    with usage_errors():
         texts = read_prompts(prompts) if prompts else None
-    except ValueError as e:
-        usage_error(f"{e}")
     engine = _load_engine(engine_kwargs)
     try:
         if texts is not None:
-            try:
+            with usage_errors():
                 check_prompts(engine, texts, prompts)
-            except ValueError as e:
-                usage_error(f"{e}")
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=texts is None)
         source = prompt_source(engine, texts, input_len, engine.config.seed)
         TopApp(engine, LoadGenerator(engine, source, params, concurrency, rate), theme, teach).run()
@@ -394,38 +427,52 @@ def bench(
 ):
     """Throughput of Zipage against full KV and transformers on the same weights and prompts: median and
     spread of several interleaved runs per mode."""
-    import json
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from zipage.cli.bench import MODES, run_bench
+    from zipage.cli.bench import MODES
 
     bad = [m for m in mode if m not in MODES]
     if bad:
         usage_error(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     _check_writable(json_path, "--json")
     model = engine_kwargs.pop("model", DEFAULT_MODEL)
+    results = _run_bench_with_progress(model, mode, num_requests, input_len, output_len, repeats, engine_kwargs)
+    title = (f"{model} · {num_requests} requests · {input_len} in / {output_len} out · {results['device']} · "
+             f"median of {repeats} run{'s' if repeats != 1 else ''} per mode")
+    _print_bench_table(results, title, base=mode[0])
+    _print_bench_notes(results, base=mode[0])
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _run_bench_with_progress(model: str, modes: list[str], num_requests: int, input_len: int, output_len: int,
+                             repeats: int, engine_kwargs: dict) -> dict:
+    """run_bench with a progress bar per mode on stderr; a mode that fails to run exits with status 1."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zipage.cli.bench import run_bench
+
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn(), console=err) as bar:
         total = num_requests * output_len * repeats
-        tasks = {m: bar.add_task(m, total=total, start=False) for m in mode}
+        tasks = {m: bar.add_task(m, total=total, start=False) for m in modes}
 
         def progress(m: str, done: int, total: int) -> None:
             bar.start_task(tasks[m])
             bar.update(tasks[m], completed=done)
 
-        try:
-            results = run_bench(model, mode, num_requests, input_len, output_len, engine_kwargs, progress,
-                                repeats=repeats, note=lambda line: bar.console.print(f"[yellow]note:[/] {line}"))
-        except ValueError as e:
-            usage_error(f"{e}")
-        except RuntimeError as e:  # a mode failed to run
-            err.print(f"[red]error:[/] {e}")
-            raise typer.Exit(1)
-    table = Table(title=f"{model} · {num_requests} requests · {input_len} in / {output_len} out · "
-                        f"{results['device']} · median of {repeats} run{'s' if repeats != 1 else ''} per mode")
+        # Errors are printed inside the bar's block, so that they land under the bars as they stood.
+        with usage_errors():
+            try:
+                return run_bench(model, modes, num_requests, input_len, output_len, engine_kwargs, progress,
+                                 repeats=repeats, note=lambda line: bar.console.print(f"[yellow]note:[/] {line}"))
+            except RuntimeError as e:  # a mode failed to run
+                run_failed(f"{e}")
+
+
+def _print_bench_table(results: dict, title: str, base: str) -> None:
+    table = Table(title=title)
     for column in ("mode", "tok/s", "spread (min–max)", "time (s)", "output tokens", "peak concurrency",
-                   f"vs {mode[0]}"):
+                   f"vs {base}"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results["results"]:
         low, high = r["spread"]
@@ -434,18 +481,19 @@ def bench(
                       str(r["output_tokens"]), "-" if r["peak_concurrency"] is None else str(r["peak_concurrency"]),
                       ratio)
     Console().print(table)
+
+
+def _print_bench_notes(results: dict, base: str) -> None:
+    """Say which differences are only noise, and what compression could buy where the KV pool is the limit."""
     noisy = [r["mode"] for r in results["results"] if r["within_noise"]]
     if noisy:
-        Console().print(f"(noise): the runs of {', '.join(noisy)} overlap those of {mode[0]}; the difference is "
+        Console().print(f"(noise): the runs of {', '.join(noisy)} overlap those of {base}; the difference is "
                         "inside the run-to-run noise of this machine, not a result.")
     footprint = results.get("kv_footprint")
     if footprint:
         Console().print(f"KV footprint of this workload: full KV holds {footprint['full_kv_blocks']:.1f} blocks per "
                         f"request on average, Zipage {footprint['zipage_blocks']:.1f}. When the pool is the limit, "
                         f"compression can buy up to {footprint['ratio']:.2f}× the concurrency.")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

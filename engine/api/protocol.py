@@ -13,6 +13,7 @@ answers at once, the engine process answers in its next turn).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -137,6 +138,11 @@ class Close:
 
 
 Message = Submit | Abort | TakeSnapshot | StepOnce | Close
+
+
+def describe(message: Message) -> str:
+    """A message's kind in words, for errors: "take snapshot", "step once"."""
+    return re.sub(r"(?<!^)(?=[A-Z])", " ", type(message).__name__).lower()
 
 
 class MessageHandler:

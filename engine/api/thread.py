@@ -13,7 +13,7 @@ import weakref
 from typing import Callable
 
 from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EngineClosed, EventQueue, RequestHandle, Subscribers
-from zipage.engine.api.protocol import Abort, Message, MessageHandler, StepOnce, Submit, TakeSnapshot
+from zipage.engine.api.protocol import Abort, Message, MessageHandler, StepOnce, Submit, TakeSnapshot, describe
 from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 from zipage.engine.core.outputs import RequestOutput
@@ -165,7 +165,7 @@ class EngineThread(MessageHandler):
         try:
             ok, value = reply.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"the engine did not answer {type(message).__name__} within {timeout} s") from None
+            raise TimeoutError(f"the engine did not answer {describe(message)!r} within {timeout} s") from None
         if not ok:
             raise value
         return value

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+from typing import Callable, NoReturn
 
 import typer
 from rich.console import Console
@@ -67,64 +69,75 @@ def run_task(module, shared: dict, **task_options) -> None:
         with ec.Progress(True) as bars:
             results = module.run(**kwargs, **task_options, progress=bars)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        _bad_input(f"{e}")
     typer.echo(ec.markdown_table(results, getattr(module, "cell", None)))
 
 
-@eval_app.command("fidelity", epilog="Example:\n\n  zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")
-@shared_options
+def _bad_input(message: str) -> NoReturn:
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def task_command(name: str, example: str, parse: dict[str, Callable[[str, str], object]] | None = None):
+    """Register `zipage eval NAME` for the task module zipage.cli.eval.NAME. The decorated function only
+    declares the task's own options (its docstring is the help); they reach the module's run() as they
+    are, or through parse[option](flag, text) for those given there. The shared options are appended."""
+
+    def register(declare):
+        @eval_app.command(name, epilog=f"Example:\n\n  {example}")
+        @shared_options
+        @functools.wraps(declare)
+        def command(shared: dict = None, **options):
+            for option, parser in (parse or {}).items():
+                options[option] = parser("--" + option.replace("_", "-"), options[option])
+            # Imported on use: a task pulls in torch, which `zipage --help` need not wait for.
+            run_task(importlib.import_module(f"zipage.cli.eval.{name}"), shared, **options)
+
+        return command
+
+    return register
+
+
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected integers separated by commas", param_hint=option) from None
+
+
+@task_command("fidelity", "zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")
 def fidelity_command(
     num_samples: int = typer.Option(4, help="Prompts from the split (8 per split)."),
     tokens: int = typer.Option(384, help="Greedy tokens generated per prompt by full KV, then teacher-forced."),
-    shared: dict = None,
 ):
     """Teacher-forced top-1 agreement and KL divergence against full KV on free text."""
-    from zipage.cli.eval import fidelity
-
-    run_task(fidelity, shared, num_samples=num_samples, tokens=tokens)
 
 
-@eval_app.command("needle", epilog="Example:\n\n  zipage eval needle --lengths 1024,4096 --depths 0,50,100")
-@shared_options
+@task_command("needle", "zipage eval needle --lengths 1024,4096 --depths 0,50,100",
+              parse={"lengths": _ints, "depths": _ints})
 def needle_command(
     num_samples: int = typer.Option(1, help="Samples per length, depth and kind (single key / several keys)."),
     lengths: str = typer.Option("512,1024", help="Prompt lengths in tokens, comma-separated."),
     depths: str = typer.Option("0,50,100", help="Depths of the asked key, in % of the text (0 = first)."),
-    shared: dict = None,
 ):
     """Key retrieval through a compressed prompt (needle in a haystack): exact-match accuracy per depth."""
-    from zipage.cli.eval import needle
-
-    run_task(needle, shared, num_samples=num_samples, lengths=_ints("--lengths", lengths),
-             depths=_ints("--depths", depths))
 
 
-@eval_app.command("recall", epilog="Example:\n\n  zipage eval recall --tokens 768 --num-samples 4")
-@shared_options
+@task_command("recall", "zipage eval recall --tokens 768 --num-samples 4")
 def recall_command(
     num_samples: int = typer.Option(8, help="Samples (one fact each)."),
     tokens: int = typer.Option(384, help="Story tokens forced between the fact and the question."),
-    shared: dict = None,
 ):
     """A fact, a long teacher-forced story compressed during decoding, then the question: exact match."""
-    from zipage.cli.eval import recall
-
-    run_task(recall, shared, num_samples=num_samples, tokens=tokens)
 
 
-@eval_app.command("vartrack", epilog="Example:\n\n  zipage eval vartrack --hops 3 --length 1024")
-@shared_options
+@task_command("vartrack", "zipage eval vartrack --hops 3 --length 1024")
 def vartrack_command(
     num_samples: int = typer.Option(12, help="Samples."),
     length: int = typer.Option(512, help="Prompt length in tokens."),
     hops: int = typer.Option(2, help="Variables in the asked chain (VAR A = 12345, VAR B = VAR A, ...)."),
-    shared: dict = None,
 ):
     """Variable tracking through a compressed prompt: follow a chain of assignments (multi-step)."""
-    from zipage.cli.eval import vartrack
-
-    run_task(vartrack, shared, num_samples=num_samples, length=length, hops=hops)
 
 
 @eval_app.command("leaderboard", epilog="Example:\n\n  zipage eval leaderboard needle.json recall.json fidelity.json")
@@ -138,13 +151,5 @@ def leaderboard_command(paths: list[str] = typer.Argument(..., help="JSON result
             with open(path) as f:
                 results.append(json.load(f))
         except (OSError, ValueError) as e:
-            err.print(f"[red]error:[/] {path}: {e}")
-            raise typer.Exit(2)
+            _bad_input(f"{path}: {e}")
     typer.echo(ec.leaderboard(results))
-
-
-def _ints(option: str, text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected integers separated by commas", param_hint=option) from None

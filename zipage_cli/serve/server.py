@@ -125,40 +125,69 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
-    model = engine.config.model
-    max_model_len = engine.max_model_len
-    metrics = ServerMetrics()
-    started = int(time.time())
+class OpenAiEndpoints:
+    """/v1/chat/completions, /v1/completions and /v1/models, for one engine's model."""
 
-    async def read_body(request: Request) -> dict:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics):
+        self.engine, self.metrics = engine, metrics
+        self.model = engine.config.model
+        self.max_model_len = engine.max_model_len
+        self.started = int(time.time())
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models),
+        ]
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model, "object": "model", "created": self.started, "owned_by": "zipage",
+                "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def read_body(self, request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise api.bad_request(f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise api.bad_request("the request body must be a JSON object")
-        api.check_model(body, model)
+        api.check_model(body, self.model)
         return body
 
-    async def complete(request: Request, chat: bool) -> Response:
-        body = await read_body(request)
+    async def complete(self, request: Request, chat: bool) -> Response:
+        body = await self.read_body(request)
         prompt = api.chat_messages(body) if chat else api.completion_prompt(body)
-        params = api.sampling_params(body, max_model_len)
+        params = api.sampling_params(body, self.max_model_len)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
         include_usage = api.stream_options(body)
         session = body.get("user") if isinstance(body.get("user"), str) else None
-        generation = await Generation(engine, metrics).start(prompt, params, session)
-        reply = api.Reply(chat, generation.request.id, model, generation.request.prompt_tokens,
+        generation = await Generation(self.engine, self.metrics).start(prompt, params, session)
+        reply = api.Reply(chat, generation.request.id, self.model, generation.request.prompt_tokens,
                           token_ids=body.get("return_token_ids") is True)
         headers = {REQUEST_ID_HEADER: str(generation.request.id)}
         if stream:
-            # The abort after the response is a no-op for a finished request (it catches a client gone early).
-            return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, **headers},
-                                     background=BackgroundTask(engine.abort, generation.request.id))
+            return self.streaming_response(generation, reply, include_usage, headers)
+        return await self.whole_response(request, generation, reply, headers)
+
+    def streaming_response(self, generation: Generation, reply: api.Reply, include_usage: bool,
+                           headers: dict) -> Response:
+        # The abort after the response is a no-op for a finished request (it catches a client gone early).
+        return StreamingResponse(stream_reply(generation, reply, include_usage), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **headers},
+                                 background=BackgroundTask(self.engine.abort, generation.request.id))
+
+    async def whole_response(self, request: Request, generation: Generation, reply: api.Reply,
+                             headers: dict) -> Response:
         out = await generation.result(request)
         if out is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -166,107 +195,122 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
             raise api.ApiError(500, out.error or "the request failed", kind="server_error")
         return JSONResponse(reply.full(out), headers=headers)
 
-    async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
-        if reply.chat:
-            yield sse(reply.chunk("", role=True))
-        async for out in generation.outputs():
-            # One chunk for everything that arrived since the last: a client (or an event loop) that
-            # lags gets fewer, larger chunks instead of falling further behind.
-            failed = out.finish_reason == "error"
-            finished = out.finished and not failed
-            events = []
-            if out.delta or finished or (reply.token_ids and out.new_token_ids):
-                events.append(sse(reply.chunk(out.delta, out.finish_reason if finished else None, out.new_token_ids)))
-            if failed:
-                events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
-            elif finished and include_usage:
-                events.append(sse(reply.usage_chunk(out.num_output_tokens)))
-            if events:
-                yield "".join(events)
-        yield sse("[DONE]")
 
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, chat=True)
+async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
+    if reply.chat:
+        yield sse(reply.chunk("", role=True))
+    async for out in generation.outputs():
+        # One chunk for everything that arrived since the last: a client (or an event loop) that
+        # lags gets fewer, larger chunks instead of falling further behind.
+        failed = out.finish_reason == "error"
+        finished = out.finished and not failed
+        events = []
+        if out.delta or finished or (reply.token_ids and out.new_token_ids):
+            events.append(sse(reply.chunk(out.delta, out.finish_reason if finished else None, out.new_token_ids)))
+        if failed:
+            events.append(sse(api.error_body(out.error or "the request failed", "server_error")))
+        elif finished and include_usage:
+            events.append(sse(reply.usage_chunk(out.num_output_tokens)))
+        if events:
+            yield "".join(events)
+    yield sse("[DONE]")
 
-    async def completions(request: Request) -> Response:
-        return await complete(request, chat=False)
 
-    async def models(request: Request) -> Response:
-        card = {"id": model, "object": "model", "created": started, "owned_by": "zipage", "max_model_len": max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+class ObservationEndpoints:
+    """/health, /metrics and what the console panes draw: /zipage/snapshot, /zipage/config, /zipage/events."""
 
-    async def health(request: Request) -> Response:
-        if not engine.alive:
-            raise api.ApiError(503, f"the engine stopped: {engine.failure or engine.process.exit_reason}",
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics):
+        self.engine, self.metrics = engine, metrics
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health),
+            Route("/metrics", self.prometheus),
+            Route("/zipage/snapshot", self.snapshot),
+            Route("/zipage/config", self.config),
+            Route("/zipage/events", self.events),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        if not self.engine.alive:
+            raise api.ApiError(503, f"the engine stopped: {self.engine.failure or self.engine.process.exit_reason}",
                                kind="server_error")
         return JSONResponse({"status": "ok"})
 
-    async def prometheus(request: Request) -> Response:
+    async def prometheus(self, request: Request) -> Response:
         # A scrape waits for a snapshot taken now (at most one engine step), so counters are current.
-        snap = await engine.snapshot(fresh=True)
-        return Response(metrics.render(snap), media_type=CONTENT_TYPE)
+        snap = await self.engine.snapshot(fresh=True)
+        return Response(self.metrics.render(snap), media_type=CONTENT_TYPE)
 
-    async def snapshot(request: Request) -> Response:
+    async def snapshot(self, request: Request) -> Response:
         """The latest published snapshot (a few times a second); `?fresh=1` waits for one taken now."""
-        snap = await engine.snapshot(fresh=request.query_params.get("fresh") in ("1", "true"))
+        snap = await self.engine.snapshot(fresh=request.query_params.get("fresh") in ("1", "true"))
         return JSONResponse(snapshot_to_dict(snap))
 
-    async def config(request: Request) -> Response:
-        return JSONResponse(asdict(engine.config))
+    async def config(self, request: Request) -> Response:
+        return JSONResponse(asdict(self.engine.config))
 
-    async def events(request: Request) -> Response:
-        return StreamingResponse(event_stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    async def events(self, request: Request) -> Response:
+        return StreamingResponse(event_stream(self.engine), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def event_stream() -> AsyncIterator[str]:
-        inbox = engine.subscribe()
-        try:
-            quiet_since = time.monotonic()
-            yield ": events follow\n\n"
-            while True:
-                await asyncio.sleep(EVENT_POLL_S)
-                batch = []
-                while not inbox.empty():
-                    batch.append(inbox.get_nowait())
-                for event in batch:
-                    yield sse(event_to_dict(event))
-                if batch:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since >= KEEPALIVE_S:
-                    quiet_since = time.monotonic()
-                    yield ": keepalive\n\n"
-        finally:
-            engine.unsubscribe(inbox)
 
-    async def on_api_error(request: Request, e: api.ApiError) -> Response:
-        return error_response(e)
+async def event_stream(engine: EngineClient) -> AsyncIterator[str]:
+    inbox = engine.subscribe()
+    try:
+        quiet_since = time.monotonic()
+        yield ": events follow\n\n"
+        while True:
+            await asyncio.sleep(EVENT_POLL_S)
+            batch = []
+            while not inbox.empty():
+                batch.append(inbox.get_nowait())
+            for event in batch:
+                yield sse(event_to_dict(event))
+            if batch:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keepalive\n\n"
+    finally:
+        engine.unsubscribe(inbox)
 
-    async def on_http_error(request: Request, e: HTTPException) -> Response:
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return error_response(api.ApiError(e.status_code, f"{request.url.path}: {e.detail}", kind=kind))
 
-    async def on_crash(request: Request, e: Exception) -> Response:
-        return error_response(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+async def on_api_error(request: Request, e: api.ApiError) -> Response:
+    return error_response(e)
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models),
-        Route("/health", health),
-        Route("/metrics", prometheus),
-        Route("/zipage/snapshot", snapshot),
-        Route("/zipage/config", config),
-        Route("/zipage/events", events),
-    ]
+
+async def on_http_error(request: Request, e: HTTPException) -> Response:
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return error_response(api.ApiError(e.status_code, f"{request.url.path}: {e.detail}", kind=kind))
+
+
+async def on_crash(request: Request, e: Exception) -> Response:
+    return error_response(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+# Every failure answers in the OpenAI error shape, a crash included.
+EXCEPTION_HANDLERS = {api.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+
+
+def engine_lifespan(engine: EngineClient):
+    """The engine's turns are read on the server's event loop: it starts with the loop and closes with it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine.start()  # the engine's turns are read on this event loop
+        engine.start()
         try:
             yield
         finally:
             engine.close()
 
-    app = Starlette(routes=routes, exception_handlers={api.ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_crash}, lifespan=lifespan)
+    return lifespan
+
+
+def create_app(engine: EngineClient, api_key: str | None = None) -> Starlette:
+    """The HTTP app in front of `engine`; with `api_key`, every path but /health asks for it."""
+    metrics = ServerMetrics()
+    routes = OpenAiEndpoints(engine, metrics).routes() + ObservationEndpoints(engine, metrics).routes()
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=engine_lifespan(engine))
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app

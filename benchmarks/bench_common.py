@@ -1,0 +1,85 @@
+"""What the benchmark scripts share: the parser with their common flags (--model, --json, and those
+of the requests they serve: a fixed batch or a seeded random workload), the random workload itself,
+the description of the hardware a result was measured on, and writing a result to --json.
+
+The scripts run as `python benchmarks/NAME.py`, which puts this folder first on sys.path, so they
+import this module by its plain name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+
+import torch
+
+
+def parser(doc: str, model: str) -> argparse.ArgumentParser:
+    """A script's parser: the first line of its docstring `doc` as the description, and --model."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", default=model)
+    return p
+
+
+def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Add --json, after the script's own flags, and parse argv."""
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def add_fixed_output_flags(p: argparse.ArgumentParser, *, num_requests: int, output_len: int) -> None:
+    """--num-requests requests, each generating exactly --output-len tokens (EOS ignored)."""
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--output-len", type=int, default=output_len)
+
+
+def add_workload_flags(p: argparse.ArgumentParser, *, num_requests: int, min_output: int, max_output: int,
+                       seed: int) -> None:
+    """The flags of `workload`, with the defaults the script wants."""
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--min-input", type=int, default=128)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=min_output)
+    p.add_argument("--max-output", type=int, default=max_output)
+    p.add_argument("--seed", type=int, default=seed)
+
+
+def make_workload(num: int, min_in: int, max_in: int, min_out: int, max_out: int, vocab: int, seed: int):
+    """`num` prompts of random token ids below `vocab` and their output lengths, the same for a seed."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(num):
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(min_in, max_in))])
+        outputs.append(rng.randint(min_out, max_out))
+    return prompts, outputs
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """The workload the flags of `add_workload_flags` ask for, for args.model."""
+    from zipage.engine.loading.loader import resolve_model
+
+    vocab = resolve_model(args.model).hf_config.vocab_size
+    # Capped so that a seed draws the same prompts for every model with a vocabulary this large.
+    return make_workload(args.num_requests, args.min_input, args.max_input, args.min_output, args.max_output,
+                         min(vocab, 32000), args.seed)
+
+
+def device_description(device: str) -> dict:
+    """The GPU (or "cpu") and torch a result on `device` was measured with."""
+    return {"gpu": torch.cuda.get_device_name() if device != "cpu" else "cpu", "torch": torch.__version__}
+
+
+def cpu_description() -> dict:
+    """The torch, its intra-op threads and the processor a CPU result was measured with."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine()}
+
+
+def write_json(path: str | None, results: dict) -> None:
+    """Write the results to `path` (--json) if one was given. Scripts call it after each mode, so a run
+    that fails or is stopped part-way keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
