@@ -867,6 +867,54 @@ def check_budgets(report: Report, s: Sizes) -> None:
             report.checks[-1]["passed"] = False
 
 
+def check_mixed_steps(report: Report, s: Sizes) -> None:
+    """Mixed steps on the device (tiny Qwen3, fp32, compression on, CUDA graphs and overlapped decode
+    where they apply): long prompts arrive while others decode, in a small step budget, so decode tokens
+    and prefill chunks share forwards (decode attention for the decoders, prefill attention for the
+    chunks). The same requests served with steps that are all prefill or all decode should get the
+    same tokens."""
+    from zipage.engine import LLM, SamplingParams
+
+    device = s.device
+    new_tokens = 120 if device == "cuda" else 30
+    gen = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (5, 17, 300, 40, 500, 9, 260, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=6)
+        runs = {}
+        for mixed in (False, True):
+            llm = LLM(str(folder), device=device, dtype="float32", compression=True, block_size=16, window=8,
+                      max_cache_blocks_per_seq=4, num_kv_blocks=256, max_num_batched_tokens=64, mixed_steps=mixed)
+            mixed_forwards, launch = [0], llm.engine.runner.launch
+
+            def counting(batch, previous=None, launch=launch, count=mixed_forwards):
+                count[0] += batch.is_mixed
+                return launch(batch, previous)
+
+            llm.engine.runner.launch = counting
+            try:
+                engine, outs = llm.engine, {}
+                seqs = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+                while engine.has_work():  # the long prompts come once the first ones decode
+                    for out in engine.step():
+                        if out.finished:
+                            outs[out.id] = out
+                    if len(seqs) < len(prompts) and all(q.num_output_tokens > 3 for q in seqs[:2]):
+                        seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[4:], params[4:])]
+                runs[mixed] = ([outs[q.id].token_ids for q in seqs], engine.totals["compressions"], mixed_forwards[0])
+            finally:
+                llm.close()
+    (split, n_split, _), (mixed, n_mixed, forwards) = runs[False], runs[True]
+    same = sum(a == b for a, b in zip(split, mixed))
+    report.check("mixed steps: same tokens as split steps", float(len(prompts) - same), 0,
+                 f"{same}/{len(prompts)} requests identical; compressions {n_split} vs {n_mixed}; "
+                 f"{forwards} mixed forwards", exact=True)
+    if forwards == 0 or n_mixed == 0:
+        report.checks[-1]["passed"] = False
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Timings
 
@@ -973,7 +1021,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,timing")
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,mixed,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
@@ -1018,6 +1066,7 @@ def main(argv=None) -> int:
         ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
         ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
         ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
+        ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

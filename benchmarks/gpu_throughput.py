@@ -173,6 +173,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="overlapped decode steps (auto: on for CUDA)")
+    parser.add_argument("--mixed-steps", choices=("on", "off"), default="on",
+                        help="decode tokens and prefill chunks in the same steps (the engine's default: on)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (engine default)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop each engine mode after this long (its saturated phase still counts)")
@@ -187,7 +190,10 @@ def main(argv=None) -> dict:
                          max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                          num_kv_blocks=args.num_kv_blocks,
                          enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                         overlap_steps={"auto": None, "on": True, "off": False}[args.overlap])
+                         overlap_steps={"auto": None, "on": True, "off": False}[args.overlap],
+                         mixed_steps=args.mixed_steps == "on")
+    if args.max_num_batched_tokens is not None:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     results = {"model": args.model, **bench_common.device_description(args.device), "args": vars(args),
                "total_output_tokens": sum(outputs),
                # the concurrency compression can buy when the pool is the limit (see kv_footprint)

@@ -73,7 +73,8 @@ class EngineConfig:
     prefix_caching: bool = True
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: min(32768, the model's context length)
-    max_num_batched_tokens: int = 4096  # prefill token budget per step
+    max_num_batched_tokens: int = 4096  # tokens per step: decoders' first, prefill chunks fill the rest
+    mixed_steps: bool = True  # prefill chunks ride in decode steps; False: a step is prefill or decode
     memory_utilization: float = 0.9  # fraction of device memory for weights + KV (GPU)
     kv_cache_gb: float | None = None  # explicit KV pool size; on CPU default is a safe share of RAM
     num_kv_blocks: int | None = None  # explicit block count (tests, teaching demos); overrides sizing

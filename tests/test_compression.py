@@ -395,7 +395,10 @@ def test_shared_prefix_blocks_stay_bit_identical(model_path, async_compress):
 def test_compression_of_a_request_sharing_its_prefix_uses_fresh_targets(model_path):
     """While another request still references the prefix, the compressing one writes only into its
     private blocks and fresh ones, and drops its references to the shared blocks."""
-    engine = make_engine(model_path, max_cache_blocks_per_seq=4, window=4, num_kv_blocks=64, async_compress=False)
+    # Steps that do not mix: B's prefill takes a step of its own, so B shares the prefix before A's
+    # compression is planned (mixed, both would come in one step, the compression planned first).
+    engine = make_engine(model_path, max_cache_blocks_per_seq=4, window=4, num_kv_blocks=64, async_compress=False,
+                         mixed_steps=False)
     prefix = random_prompts(1, [48], seed=21)[0]
     a = engine.add_request(prefix + [7] * 20, greedy(60))
     engine.step()

@@ -23,7 +23,7 @@ class PrefillCounter:
 
         def launch(batch, previous=None):
             if batch.is_prefill:
-                n = sum(batch.num_new_tokens)
+                n = sum(batch.num_new_tokens[batch.num_decode:])  # a mixed step's decode tokens aside
                 self.prefill_tokens += n
                 self.prefill_steps += 1
                 self.max_step_tokens = max(self.max_step_tokens, n)

@@ -310,21 +310,21 @@ class EngineCore:
 
     def _apply_computed(self, batch: ScheduledBatch, seconds: float) -> None:
         """The batch's KV writes are queued: count them (and register the blocks they fill)."""
-        computed = 0
+        prefilled = decoded = 0
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:
                 continue
             n = batch.num_new_tokens[i]
-            computed += n
             seq.computed(n)
             self.blocks.commit_full_blocks(seq)
-            if batch.is_prefill and not seq.in_prefill:
+            if i < batch.num_decode:
+                decoded += n
+                continue
+            prefilled += n
+            if not seq.in_prefill:
                 self._log(Prefilled(request=seq.id, time=time.time(), tokens=seq.num_computed_tokens,
                                     seconds=round(seconds, 4)))
-        if batch.is_prefill:
-            self.meter.add(computed, 0)
-        else:
-            self.meter.add(0, computed)
+        self.meter.add(prefilled, decoded)
 
     def _apply_tokens(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         """Append each sampled token (in place of its placeholder when the next step was planned

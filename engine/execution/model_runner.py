@@ -279,7 +279,7 @@ class ModelRunner:
         # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
         packed = torch.tensor(input_ids + positions + slots + context_lens + parts[4] + query_rows + tables,
                               dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        header = dict(is_prefill=batch.is_prefill, sizes=[len(p) for p in parts], width=width,
+        header = dict(is_prefill=batch.is_prefill, num_decode=batch.num_decode, sizes=[len(p) for p in parts], width=width,
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
 
@@ -301,6 +301,7 @@ class ModelRunner:
             block_tables=tables_t.to(torch.int32) if int32 else tables_t,
             context_lens=ctx_t.to(torch.int32) if int32 else ctx_t,
             cu_seqlens_q=cu_t.to(torch.int32) if header["is_prefill"] else None,
+            num_decode=header["num_decode"] if header["is_prefill"] else 0,
         )
         if header["any_query"]:
             fwd.query_slot_mapping = rows_t

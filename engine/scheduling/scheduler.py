@@ -1,4 +1,5 @@
-"""Waiting and running queues, continuous batching, chunked prefill and preemption by recompute."""
+"""Waiting and running queues, continuous batching, chunked prefill in mixed steps, and preemption by
+recompute (docs/design-notes.md, "Scheduling")."""
 
 from __future__ import annotations
 
@@ -12,15 +13,25 @@ from zipage.engine.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """One engine step: either prefill chunks or one decode token for each sequence."""
+    """One engine step: one decode token for each of the first `num_decode` sequences, then prefill
+    chunks for the rest. A step with both is a mixed step."""
 
-    is_prefill: bool
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step
+    num_decode: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     compress: list = field(default_factory=list)  # CompressionJobs planned this step, to start
     exhausted: list[Sequence] = field(default_factory=list)  # outgrew the whole pool: must end
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether any prefill chunk runs (a mixed step included): the forward's prefill path."""
+        return self.num_decode < len(self.seqs)
+
+    @property
+    def is_mixed(self) -> bool:
+        return 0 < self.num_decode < len(self.seqs)
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its newest token this step and so samples a next one."""
@@ -45,11 +56,30 @@ class DecodePlan:
             if victim in group:
                 group.remove(victim)
 
-    def batch(self) -> ScheduledBatch | None:
-        if not (self.seqs or self.preempted or self.compress or self.exhausted):
+    def batch(self, chunks: "PrefillPlan | None" = None) -> ScheduledBatch | None:
+        """The step: these decoders first, then the prefill chunks (if any)."""
+        chunks = chunks or PrefillPlan()
+        if not (self.seqs or self.preempted or self.compress or self.exhausted or chunks.seqs):
             return None
-        return ScheduledBatch(False, self.seqs, [1] * len(self.seqs), preempted=self.preempted,
-                              compress=self.compress, exhausted=self.exhausted)
+        return ScheduledBatch(self.seqs + chunks.seqs, [1] * len(self.seqs) + chunks.counts, len(self.seqs),
+                              preempted=self.preempted, admitted=chunks.admitted, compress=self.compress,
+                              exhausted=self.exhausted)
+
+
+@dataclass
+class PrefillPlan:
+    """The prefill chunks of one step: requests part-way through their prompt, then admissions."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # prompt tokens each computes this step
+    admitted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, budget: int) -> int:
+        """Give `seq` its next chunk within `budget` tokens; the budget left."""
+        n = min(seq.prefill_end - seq.num_computed_tokens, budget)
+        self.seqs.append(seq)
+        self.counts.append(n)
+        return budget - n
 
 
 class Scheduler:
@@ -135,10 +165,14 @@ class Scheduler:
             for seq in self.running:  # the first M running requests hold the slots
                 if seq.status is not Status.WAITING and not self._take_slot(seq):
                     break
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+        if not self.config.mixed_steps:  # the older split: a step is all prefill or all decode
+            chunks = self._plan_prefill(self.config.max_num_batched_tokens, preempted=[])
+            return DecodePlan([]).batch(chunks) if chunks.seqs else self._plan_decode_step().batch()
+        # Decoders first, each with its token; prefill chunks fill what is left of the step's budget,
+        # so a long prompt never stops the streams (docs/design-notes.md, "Scheduling").
+        plan = self._plan_decode_step()
+        budget = max(0, self.config.max_num_batched_tokens - len(plan.seqs))
+        return plan.batch(self._plan_prefill(budget, preempted=plan.preempted))
 
     def overlap_ready(self) -> bool:
         """Whether the next `schedule()` can be planned before the host reads the tokens in flight:
@@ -166,31 +200,25 @@ class Scheduler:
             decoding += 1
         return decoding > 0 and needed <= self.blocks.num_free
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
-        seqs, counts, admitted = [], [], []
-        # Sequences part-way through a chunked prefill go first.
+    def _plan_prefill(self, budget: int, preempted: list[Sequence]) -> PrefillPlan:
+        """Chunks for up to `budget` prompt tokens: requests part-way through a chunked prefill first,
+        then admissions from the head of the waiting queue. A request preempted in this step waits
+        for the next one (its blocks were just taken for others)."""
+        chunks = PrefillPlan()
         for seq in self.running:
             if budget == 0:
                 break
             if seq.status is Status.RUNNING and seq.in_prefill:
-                n = min(seq.prefill_end - seq.num_computed_tokens, budget)
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-        while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
+                budget = chunks.add(seq, budget)
+        while (self.waiting and budget > 0 and self.waiting[0] not in preempted
+               and self._admissible(self.waiting[0])):
             seq = self.waiting[0]
             if self._needs_slot_at_admission(seq):
                 self._take_slot(seq)
             self._admit(seq)
-            n = min(seq.prefill_end - seq.num_computed_tokens, budget)
-            seqs.append(seq)
-            counts.append(n)
-            admitted.append(seq)
-            budget -= n
-        if not seqs:
-            return None
-        return ScheduledBatch(True, seqs, counts, admitted=admitted)
+            budget = chunks.add(seq, budget)
+            chunks.admitted.append(seq)
+        return chunks
 
     # -- elastic budgets: compress for the pool, not for the budget ---------------------------
     @property
@@ -238,7 +266,7 @@ class Scheduler:
             plan.compress.append(self.compressor.plan(seq, reason="pool"))
             short -= gain
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _plan_decode_step(self) -> DecodePlan:
         plan = DecodePlan(self._decoders())
         if self._elastic:
             self._compress_for_pool(plan)
@@ -250,7 +278,7 @@ class Scheduler:
                 continue  # its next query belongs to the window: it waits for a slot
             else:
                 self._plan_decode(seq, plan)
-        return plan.batch()
+        return plan
 
     def _plan_compression(self, seq: Sequence, plan: "DecodePlan") -> None:
         """Compress `seq` this step if the cap allows and the fresh blocks it needs (to replace shared

@@ -31,9 +31,16 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [seqs, max_blocks] int32, -1 padded
     context_lens: torch.Tensor  # [seqs] KV entries after this step's tokens are stored
     cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] prefill only
+    # A mixed step: the first num_decode sequences decode one token each (their queries come first),
+    # the others are prefill chunks. Each part runs its own attention kernel.
+    num_decode: int = 0
     # Query cache (compression): queries of window positions are copied to these slots, -1 = none
     query_slot_mapping: torch.Tensor | None = None
     query_cache: list[torch.Tensor] = field(default_factory=list)  # per layer [slots * window, q_heads, dim]
+
+    def __post_init__(self):
+        # The chunks' own offsets, made once per forward rather than in every layer.
+        self.chunk_cu_seqlens = self.cu_seqlens_q[self.num_decode:] - self.num_decode if self.num_decode else None
 
 
 class Linear(nn.Linear):
@@ -172,7 +179,14 @@ class Attention(nn.Module):
             self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
             batch.query_cache[self.layer_index] if store_queries else None,
             batch.query_slot_mapping if store_queries else None)
-        if batch.is_prefill:
+        if batch.num_decode:  # a mixed step: decode attention for the decoders, prefill for the chunks
+            nd = batch.num_decode
+            out = torch.cat([
+                kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, batch.block_tables[:nd],
+                                               batch.context_lens[:nd], self.scale),
+                kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.block_tables[nd:],
+                                          batch.chunk_cu_seqlens, batch.context_lens[nd:], self.scale)])
+        elif batch.is_prefill:
             out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                             batch.cu_seqlens_q, batch.context_lens, self.scale)
         else:
