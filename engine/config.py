@@ -75,6 +75,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(32768, the model's context length)
     max_num_batched_tokens: int = 4096  # tokens per step: decoders' first, prefill chunks fill the rest
     mixed_steps: bool = True  # prefill chunks ride in decode steps; False: a step is prefill or decode
+    cpu_step_target_ms: float | None = None  # CPU: prefill chunks sized so a step lasts about this long
     memory_utilization: float = 0.9  # fraction of device memory for weights + KV (GPU)
     kv_cache_gb: float | None = None  # explicit KV pool size; on CPU default is a safe share of RAM
     num_kv_blocks: int | None = None  # explicit block count (tests, teaching demos); overrides sizing
@@ -108,13 +109,17 @@ class EngineConfig:
             _fail("dtype", self.dtype, 'must be "float32", "bfloat16", "float16" or None')
         for name in ("compression", "use_global_score", "use_redundancy", "lightning_redundancy",
                      "enable_pooling", "async_compress", "hybrid_scheduling", "prefix_caching",
-                     "enforce_eager"):
+                     "enforce_eager", "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be True or False")
         if self.overlap_steps not in (None, True, False):
             _fail("overlap_steps", self.overlap_steps, "must be True, False or None (on for CUDA)")
         if self.overlap_steps and self.tensor_parallel_size > 1:
             _fail("overlap_steps", self.overlap_steps, "needs tensor_parallel_size=1")
+        if self.cpu_step_target_ms is not None and (
+                isinstance(self.cpu_step_target_ms, bool) or not isinstance(self.cpu_step_target_ms, (int, float))
+                or not 1 <= self.cpu_step_target_ms <= 60_000):
+            _fail("cpu_step_target_ms", self.cpu_step_target_ms, "must be None or a number of milliseconds in [1, 60000]")
         self._positive_int("max_cache_blocks_per_seq")
         self._positive_int("window")
         self._positive_int("max_num_seqs")

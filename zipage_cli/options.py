@@ -40,6 +40,8 @@ KNOB_HELP = {
     "max_num_seqs": "Most requests running at once.",
     "max_model_len": "Longest prompt + output, in tokens.",
     "max_num_batched_tokens": "Most tokens one step computes: every decoding request's token first, prefill chunks in the rest.",
+    "cpu_step_target_ms": "On the CPU, size prefill chunks from measured step times so a step lasts about this "
+                          "long (chat, top and serve: 250; default: the token budget alone).",
     "mixed_steps": "Run prefill chunks in the same steps as decode tokens, so a long prompt never stops the streams.",
     "memory_utilization": "Share of GPU memory for weights and the KV pool.",
     "kv_cache_gb": "Size the KV pool explicitly, in GiB.",

@@ -71,8 +71,10 @@ class EngineCore:
                            if config.compression else None)
         if self.compressor is not None and not config.enforce_eager:
             self.compressor.capture_graphs()
+        step_target_s = (config.cpu_step_target_ms / 1000 if config.cpu_step_target_ms and device.type == "cpu"
+                         else None)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.runner.num_query_slots,
-                                   self.compressor)
+                                   self.compressor, step_target_s)
         self.jobs: dict[int, CompressionJob] = {}  # compressions in flight, by request id
         # Overlapped decode: the next step is planned and queued while the device runs this one.
         self.overlap = (config.overlap_steps if config.overlap_steps is not None
@@ -325,6 +327,8 @@ class EngineCore:
                 self._log(Prefilled(request=seq.id, time=time.time(), tokens=seq.num_computed_tokens,
                                     seconds=round(seconds, 4)))
         self.meter.add(prefilled, decoded)
+        if prefilled:
+            self.scheduler.chunks.observe(prefilled + decoded, seconds)
 
     def _apply_tokens(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         """Append each sampled token (in place of its placeholder when the next step was planned

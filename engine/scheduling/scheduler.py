@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zipage.engine.kv.block_manager import BlockManager
+from zipage.engine.scheduling.chunk_sizer import ChunkSizer
 from zipage.engine.config import EngineConfig
 from zipage.engine.sequence import Sequence, Status
 
@@ -84,8 +85,9 @@ class PrefillPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 num_query_slots: int = 0, compressor=None):
+                 num_query_slots: int = 0, compressor=None, step_target_s: float | None = None):
         self.config = config
+        self.chunks = ChunkSizer(step_target_s)
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -166,13 +168,19 @@ class Scheduler:
                 if seq.status is not Status.WAITING and not self._take_slot(seq):
                     break
         if not self.config.mixed_steps:  # the older split: a step is all prefill or all decode
-            chunks = self._plan_prefill(self.config.max_num_batched_tokens, preempted=[])
+            chunks = self._plan_prefill(self._prefill_budget(0), preempted=[])
             return DecodePlan([]).batch(chunks) if chunks.seqs else self._plan_decode_step().batch()
         # Decoders first, each with its token; prefill chunks fill what is left of the step's budget,
         # so a long prompt never stops the streams (docs/design-notes.md, "Scheduling").
         plan = self._plan_decode_step()
-        budget = max(0, self.config.max_num_batched_tokens - len(plan.seqs))
-        return plan.batch(self._plan_prefill(budget, preempted=plan.preempted))
+        return plan.batch(self._plan_prefill(self._prefill_budget(len(plan.seqs)), preempted=plan.preempted))
+
+    def _prefill_budget(self, decoders: int) -> int:
+        """Prompt tokens this step may prefill: what the decoders leave of the step's budget, and on the
+        CPU no more than the measured step time allows."""
+        budget = max(0, self.config.max_num_batched_tokens - decoders)
+        timed = self.chunks.limit(decoders)
+        return budget if timed is None else min(budget, timed)
 
     def overlap_ready(self) -> bool:
         """Whether the next `schedule()` can be planned before the host reads the tokens in flight:
