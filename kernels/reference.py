@@ -21,6 +21,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
+PREFILL_QUERY_TILE = 512  # query rows per attention call on the CPU path
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` entries of one sequence, in logical order: [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
@@ -77,22 +80,25 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     for i, kv_len in enumerate(lens):
-        q = query[cu[i]:cu[i + 1]]
-        num_q = q.shape[0]
+        num_q = cu[i + 1] - cu[i]
         if num_q == 0:
             continue
-        keys = gather_kv(k_cache, block_tables[i], kv_len)
-        values = gather_kv(v_cache, block_tables[i], kv_len)
-        # Query j sits at KV index kv_len - num_q + j and sees every entry up to it.
-        q_index = torch.arange(kv_len - num_q, kv_len, device=query.device)
-        k_index = torch.arange(kv_len, device=query.device)
-        allowed = k_index[None, :] <= q_index[:, None]
         # [heads, tokens, dim] layout for SDPA; K/V heads repeated for the GQA groups.
-        qh = q.transpose(0, 1)
-        kh = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        vh = values.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-        out[cu[i]:cu[i + 1]] = o.transpose(0, 1)
+        kh = gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = gather_kv(v_cache, block_tables[i], kv_len).transpose(0, 1).repeat_interleave(group, dim=0)
+        kh, vh = kh.to(query.dtype), vh.to(query.dtype)
+        # Queries in tiles: the scores of one tile ([heads, tile, keys]) bound the memory of a long
+        # prompt, and a tile reads only the keys it can see.
+        for start in range(0, num_q, PREFILL_QUERY_TILE):
+            stop = min(start + PREFILL_QUERY_TILE, num_q)
+            seen = kv_len - num_q + stop  # keys up to the tile's last query
+            # Query j sits at KV index kv_len - num_q + j and sees every entry up to it.
+            q_index = torch.arange(kv_len - num_q + start, seen, device=query.device)
+            allowed = torch.arange(seen, device=query.device)[None, :] <= q_index[:, None]
+            qh = query[cu[i] + start:cu[i] + stop].transpose(0, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(qh, kh[:, :seen], vh[:, :seen], attn_mask=allowed,
+                                                                 scale=scale)
+            out[cu[i] + start:cu[i] + stop] = o.transpose(0, 1)
     return out
 
 

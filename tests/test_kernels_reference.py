@@ -121,6 +121,22 @@ def test_prefill_attention_matches_dense_with_cached_prefix(heads, kv_heads, hea
                                                          torch.tensor(lengths, dtype=torch.int32), scale), out)
 
 
+def test_long_prefill_chunks_run_in_query_tiles_and_match_dense():
+    """Chunks longer than a query tile (a fresh prompt, and one after a cached prefix that does not
+    end on a tile edge) are attended tile by tile, each tile against only the keys it can see."""
+    tile = reference.PREFILL_QUERY_TILE
+    lengths, q_lens = [2 * tile + 37, 3 * tile + 5], [2 * tile + 37, 2 * tile + 3]
+    case = PagedCase(lengths, 2, 32, 64, seed=17)
+    q = torch.randn(sum(q_lens), 4, 32, generator=case.gen)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = reference.prefill_attention(q, case.k_cache, case.v_cache, case.tables, cu,
+                                      torch.tensor(lengths, dtype=torch.int32), 0.2)
+    for i, (n, nq) in enumerate(zip(lengths, q_lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        want = naive_attention(q[rows], case.keys[i], case.values[i], list(range(n - nq, n)), 0.2)
+        torch.testing.assert_close(out[rows].double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_prefill_last_row_equals_decode():
     """The last query of a prefill and a decode step over the same context agree."""
     case = PagedCase([40, 33], 2, 64, 16, seed=9)

@@ -205,6 +205,17 @@ def _engine_process(engine_kwargs: dict):
     return EngineProcess(EngineConfig.from_kwargs(**engine_kwargs))
 
 
+# Interactive commands (chat, top, serve) keep a CPU step near this long while a prompt is prefilled,
+# so the other streams keep coming (docs/design-notes.md, "Scheduling"); one-shot generate does not.
+INTERACTIVE_CPU_STEP_MS = 250
+
+
+def interactive(engine_kwargs: dict) -> dict:
+    """The knobs of an engine that serves people as they watch: prefill chunks sized by time on the CPU
+    unless the user chose otherwise."""
+    return {"cpu_step_target_ms": INTERACTIVE_CPU_STEP_MS, **engine_kwargs}
+
+
 def _load_engine(engine_kwargs: dict, start=None):
     """Start the engine (an EngineThread, or what `start(engine_kwargs)` returns) behind a spinner; bad
     knobs or models exit with status 2, Ctrl+C with 130."""
@@ -249,6 +260,7 @@ def _attach(url: str, api_key: str | None, engine_kwargs: dict):
         return RemoteEngine(url, api_key)
 
 
+SERVE_LIMITS_PANEL = "Limits and shutdown"
 ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http://127.0.0.1:8000)."
 API_KEY_HELP = "The server's API key, with --attach."
 
@@ -303,10 +315,10 @@ def chat(
             _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
                           system)
         else:
-            _run_chat_app(lambda: _engine_thread(engine_kwargs), engine_kwargs.get("model", DEFAULT_MODEL), theme,
-                          sessions, temperature, max_tokens, system)
+            _run_chat_app(lambda: _engine_thread(interactive(engine_kwargs)), engine_kwargs.get("model", DEFAULT_MODEL),
+                          theme, sessions, temperature, max_tokens, system)
         return
-    engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(engine_kwargs)
+    engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(interactive(engine_kwargs))
     try:
         run_plain(engine, Conversation("chat", temperature, max_tokens, system))
     finally:
@@ -372,7 +384,7 @@ def top(
         return
     with usage_errors():
         texts = read_prompts(prompts) if prompts else None
-    engine = _load_engine(engine_kwargs)
+    engine = _load_engine(interactive(engine_kwargs))
     try:
         if texts is not None:
             with usage_errors():
@@ -395,17 +407,41 @@ def serve(
     api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY",
                                 help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    max_body_mb: float = typer.Option(32.0, min=0.001, rich_help_panel=SERVE_LIMITS_PANEL,
+                                      help="Largest request body, in MiB; a larger one gets 413 before it is read."),
+    allowed_origins: str = typer.Option(None, rich_help_panel=SERVE_LIMITS_PANEL,
+                                        help="Comma-separated web origins (e.g. https://app.example) whose pages may "
+                                             "call the server (CORS). None by default."),
+    keep_alive_timeout: float = typer.Option(5.0, min=0.1, rich_help_panel=SERVE_LIMITS_PANEL,
+                                             help="Seconds an idle connection stays open, and the most a client may "
+                                                  "take to send a request's headers."),
+    max_connections: int = typer.Option(1000, min=1, rich_help_panel=SERVE_LIMITS_PANEL,
+                                        help="Connections served at once; a request on one more gets 503."),
+    shutdown_timeout: float = typer.Option(5.0, min=0.0, rich_help_panel=SERVE_LIMITS_PANEL,
+                                           help="On SIGTERM or Ctrl+C, seconds open requests get to finish before "
+                                                "they end with an error."),
+    stall_timeout: float = typer.Option(60.0, min=0.1, rich_help_panel=SERVE_LIMITS_PANEL,
+                                        help="/health answers 503 when requests are open and no engine step has "
+                                             "finished for this many seconds."),
     engine_kwargs: dict = None,
 ):
-    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console."""
-    from zipage.cli.serve.server import serve as run_server
+    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console.
+    Limits, shutdown and metrics: docs/serving.md."""
+    from zipage.cli.serve.server import MIB, ServeLimits, serve as run_server
 
-    engine = _load_engine(engine_kwargs, _engine_process)
+    limits = ServeLimits(max_body_bytes=int(max_body_mb * MIB), allowed_origins=_origins(allowed_origins),
+                         keep_alive_s=keep_alive_timeout, max_connections=max_connections,
+                         shutdown_grace_s=shutdown_timeout, stall_s=stall_timeout)
+    engine = _load_engine(interactive(engine_kwargs), _engine_process)
     try:
         err.print(f"serving {engine.config.model} at http://{host}:{port}/v1")
-        run_server(engine, host, port, api_key, log_level)
+        run_server(engine, host, port, api_key, log_level, limits)
     finally:
         engine.close()
+
+
+def _origins(option: str | None) -> tuple[str, ...]:
+    return tuple(origin.strip().rstrip("/") for origin in (option or "").split(",") if origin.strip())
 
 
 @app.command(epilog="Examples:\n\n  zipage bench\n\n"

@@ -158,7 +158,9 @@ class EngineLoop(MessageHandler):
 
     def finish_turn(self, turn: Turn) -> None:
         turn.events, self.events_seen = self.engine.events_since(self.events_seen)
-        if self.snapshot_keys:
+        # A snapshot also goes with the turn that ends the last request: whoever reads the parent's
+        # latest snapshot after an answer ends sees the engine idle, with that request counted.
+        if self.snapshot_keys or (turn.ended and not self.engine.has_work()):
             turn.snapshot = (self.snapshot_keys, self.engine.snapshot())
             self.snapshot_keys = []
         if turn and not self.closing:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from zipage.engine.config import SamplingParams
-from zipage.engine.core.outputs import RequestOutput
+from zipage.engine.core.outputs import PromptTooLong, RequestOutput
 from zipage.engine.events import EngineSnapshot
 from zipage.engine.api.process import EngineGone, EngineProcess, Turn
 from zipage.engine.api.protocol import Abort, Submit, TakeSnapshot
@@ -89,7 +89,8 @@ class EngineClient:
         """Tokenize here, then hand the request to the engine. ValueError for a prompt or request the
         engine refuses (the message says why), EngineGone when there is no engine to take it."""
         self._check_alive()
-        ids = await asyncio.to_thread(self.process.prompts.read, prompt)  # long texts must not stall the loop
+        ids = await asyncio.to_thread(self.read_prompt, prompt)  # long texts must not stall the loop
+        self.check_room(len(ids), params)
         self._check_alive()
         key = next(self._keys)
         accepted = self._loop.create_future()
@@ -100,6 +101,33 @@ class EngineClient:
             del self._submits[key]
             raise
         return await accepted
+
+    def read_prompt(self, prompt) -> list[int]:
+        """The prompt's token ids (text, ids, chat messages or a Chat); PromptTooLong, before any
+        tokenizing, for one that cannot fit max_model_len whatever the tokenizer makes of it."""
+        if isinstance(prompt, (list, tuple)) and len(prompt) > self.max_model_len and not isinstance(prompt[0], dict):
+            raise PromptTooLong(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        reader = self.process.prompts
+        text = reader.render(prompt)
+        # Refused only when even the longest tokens could not hold it (PromptReader.max_chars_per_token):
+        # a 50 MB text is refused at once rather than tokenized for a minute.
+        if isinstance(text, str) and len(text) > self.max_model_len * reader.max_chars_per_token:
+            raise PromptTooLong(f"prompt has {len(text)} characters, more than max_model_len={self.max_model_len} "
+                                "tokens can hold")
+        return reader.encode(text)
+
+    def check_room(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """PromptTooLong unless the prompt and its answer fit max_model_len. A max_tokens of max_model_len
+        or more can never fit with a prompt: it asks for an answer as long as the context leaves room for
+        (what a request without max_tokens gets), and only the prompt must fit then."""
+        limit = self.max_model_len
+        if prompt_tokens >= limit:
+            raise PromptTooLong(f"prompt has {prompt_tokens} tokens; max_model_len is {limit} "
+                                "(the prompt must leave room for at least one generated token)")
+        if params.max_tokens < limit and prompt_tokens + params.max_tokens > limit:
+            raise PromptTooLong(f"prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
+                                f"{prompt_tokens + params.max_tokens} in all, past max_model_len={limit} (ask for "
+                                f"at most {limit - prompt_tokens} tokens, or leave max_tokens out)")
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its blocks; a no-op once it ended."""
@@ -123,6 +151,11 @@ class EngineClient:
             del self._snapshot_waiters[key]
             return self._snapshot
         return await waiter
+
+    @property
+    def last_snapshot(self) -> EngineSnapshot:
+        """The newest snapshot the engine has sent, without asking for one."""
+        return self._snapshot
 
     def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
         """A queue of every engine Event from now on (the oldest dropped once `maxsize` wait unread)."""

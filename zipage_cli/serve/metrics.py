@@ -1,5 +1,7 @@
-"""Prometheus metrics of a serving engine: gauges and counters read from the engine's snapshot at
-scrape time, and latency histograms the server observes as tokens stream out."""
+"""Prometheus metrics of a serving engine: gauges and counters read from the last engine snapshot the
+server holds at scrape time (a scrape never waits on the engine), the engine's liveness, and the
+latency histograms and request counters the server keeps as tokens stream out. docs/serving.md lists
+every name and label."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+CLIENT_DISCONNECTED, SHUTDOWN = "client_disconnected", "shutdown"
+ABORT_REASONS = (CLIENT_DISCONNECTED, SHUTDOWN)
+
 # Lifetime counters of the snapshot's `totals`: name there -> (metric name, help).
 TOTALS = {
     "prompt_tokens": ("zipage_prompt_tokens", "Prompt tokens admitted."),
@@ -36,15 +42,28 @@ TOTALS = {
 
 
 class SnapshotCollector(Collector):
-    """Engine state as of the snapshot the current scrape was given."""
+    """Engine state as of the snapshot the current scrape was given. Once the engine is gone, only its
+    liveness (0) and its lifetime counters are exported: gauges of a dead engine would pass for live."""
 
     def __init__(self):
         self.snapshot: EngineSnapshot | None = None
+        self.alive = True
+        self.step_age_s: float | None = None
 
     def collect(self):
         snap = self.snapshot
         if snap is None:
             return
+        yield _gauge("zipage_engine_alive", "1 while the engine process runs and answers, else 0.", int(self.alive))
+        for key, (name, text) in TOTALS.items():
+            yield CounterMetricFamily(name, text, value=snap.totals.get(key, 0))
+        if self.alive:
+            yield from self.live_state(snap)
+
+    def live_state(self, snap: EngineSnapshot):
+        if self.step_age_s is not None:
+            yield _gauge("zipage_engine_last_step_age_seconds", "Seconds since the engine last finished a step.",
+                         self.step_age_s)
         yield _gauge("zipage_requests_running", "Requests in the running batch.", snap.running)
         yield _gauge("zipage_requests_waiting", "Requests waiting for admission.", snap.waiting)
         pool = snap.pool
@@ -55,8 +74,6 @@ class SnapshotCollector(Collector):
                      pool.used / pool.total if pool.total else 0.0)
         yield _gauge("zipage_query_slots_used", "Query slots held (requests that can be scored).",
                      pool.query_slots_used)
-        for key, (name, text) in TOTALS.items():
-            yield CounterMetricFamily(name, text, value=snap.totals.get(key, 0))
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
@@ -101,11 +118,32 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=self.registry)
         self.finished = Counter("zipage_requests", "Requests ended, by finish reason.", ["finish_reason"],
                                 registry=self.registry)
+        self.aborted = Counter("zipage_requests_aborted", "Requests stopped before their end, by reason.",
+                               ["reason"], registry=self.registry)
+        self.errors = Counter("zipage_errors", "Requests answered with an error or ended by one, by reason.",
+                              ["reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # present from the start, so that rates of them exist before the first
+            self.finished.labels(reason)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(reason)
 
-    def render(self, snapshot: EngineSnapshot) -> bytes:
+    def render(self, snapshot: EngineSnapshot, alive: bool = True, step_age_s: float | None = None) -> bytes:
         """The text exposition format, engine gauges taken from `snapshot` (render runs on one thread)."""
-        self.engine_state.snapshot = snapshot
+        state = self.engine_state
+        state.snapshot, state.alive, state.step_age_s = snapshot, alive, step_age_s
         return generate_latest(self.registry)
+
+    def count_client_gone(self) -> None:
+        """A request stopped because its client left: its last output never reaches a reader."""
+        self.aborted.labels(CLIENT_DISCONNECTED).inc()
+        self.finished.labels("abort").inc()
+
+    def count_shutdown_end(self) -> None:
+        """A request the shutdown ended (its output, finished with an error, is counted as it streams)."""
+        self.aborted.labels(SHUTDOWN).inc()
+
+    def count_error(self, reason: str) -> None:
+        self.errors.labels(reason).inc()
 
 
 class LatencyTracker:

@@ -3,11 +3,16 @@ response and stream-chunk bodies, and the error shape. No HTTP here (see server.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 
 from zipage.engine.config import SamplingParams
 from zipage.engine.core.outputs import PromptTooLong, RequestOutput
+from zipage.engine.loading.prompts import Chat
+
+MAX_MESSAGE_CHARS = 2000  # an error message quotes what it refuses; a huge value is cut short
 
 
 class ApiError(Exception):
@@ -15,11 +20,18 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error"):
+        message = shortened(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)
+
+
+def shortened(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -47,7 +59,8 @@ def from_value_error(e: ValueError) -> ApiError:
 # silently gets something other than what it asked for.
 NEUTRAL_VALUES = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0),
                   "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],),
-                  "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},)}
+                  "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
+                  "tool_choice": ("none",), "function_call": ("none",)}
 
 # Roles a chat template knows; "developer" is OpenAI's newer name for "system". Tool messages need tools,
 # which are not supported.
@@ -57,32 +70,145 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 # budget in blocks; one the engine cannot hold (past its pool, or with compression off) is refused when the
 # engine takes the request, and that ValueError is a 400 too (docs/design-notes.md, "Budgets").
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "kv_budget")
+REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")  # the rest of them are integers
+
+# Every field a body may carry; any other is refused by name rather than ignored.
+COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
+                           "stop", "n", "ignore_eos", "return_token_ids", *PASSED_THROUGH, *NEUTRAL_VALUES})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
+                               "chat_template_kwargs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+
+# Bounds on what one request may carry, each far past any real use: every stop string is matched against
+# the whole new text at each step (and the longest is held back from streaming), every message is rendered
+# by the chat template, and every string in the body may be shown in snapshots and events.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 2048
+MAX_USER_CHARS = 512
+MAX_NESTING = 32  # of JSON arrays and objects; a chat body needs five
+
+
+# -- the body ----------------------------------------------------------------------------------
+def read_request(raw: bytes, served: str) -> dict:
+    """A request body as a dict of the fields given (a null is a field not given), its strings all valid
+    Unicode and its model the one served; ApiError otherwise."""
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_nesting_and_text(body)
+    body = {name: value for name, value in body.items() if value is not None}
+    check_model(body, served)
+    check_user(body)
+    check_bool(body, "return_token_ids")
+    return body
+
+
+def parse_json(raw: bytes):
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad_request(f"the request body nests arrays or objects too deeply (at most {MAX_NESTING} levels)") \
+            from None
+    except (ValueError, UnicodeDecodeError) as e:  # a JSONDecodeError, or an integer of too many digits
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def check_nesting_and_text(body: dict) -> None:
+    """Every array and object at most MAX_NESTING deep, every string (keys too) encodable as UTF-8. A lone
+    surrogate (JSON's "\\ud800") would fail later wherever the string is written out: a snapshot, an
+    event, a log line."""
+    for field, value in body.items():
+        if not _encodes(field):
+            raise bad_request("a field name of the request body is not valid Unicode (a lone surrogate)")
+        check_field_value(field, value)
+
+
+def check_field_value(field: str, value) -> None:
+    """Walks one field's value without recursion (the body itself is level 1); numbers are skipped
+    unnamed, so a long list of token ids costs little."""
+    todo = [(field, value, 2)]
+    while todo:
+        where, value, depth = todo.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                raise bad_request(f"{where} is not valid Unicode text: it holds a lone surrogate", field)
+            continue
+        if depth > MAX_NESTING:
+            raise bad_request(f"{where} nests arrays or objects too deeply (at most {MAX_NESTING} levels)", field)
+        if isinstance(value, dict):
+            if not all(_encodes(key) for key in value):
+                raise bad_request(f"{where} has a key that is not valid Unicode (a lone surrogate)", field)
+            todo.extend((f"{where}.{key}", item, depth + 1) for key, item in value.items() if _has_text(item))
+        elif isinstance(value, list) and not set(map(type, value)) <= PLAIN_TYPES:
+            todo.extend((f"{where}[{i}]", item, depth + 1) for i, item in enumerate(value) if _has_text(item))
+
+
+PLAIN_TYPES = {int, float, bool, type(None)}  # what JSON values hold no text and nest nothing
+
+
+def _has_text(value) -> bool:
+    return type(value) not in PLAIN_TYPES
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_fields(body: dict, known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"{unknown[0]}: not supported by this server", unknown[0])
 
 
 def check_model(body: dict, served: str) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model={model!r}: must be a string", "model")
     if model is not None and model != served:
-        raise ApiError(400, f"model {model!r} is not served here; this server serves {served!r}", "model",
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {served!r}", "model",
                        "model_not_found")
 
 
+def check_user(body: dict) -> None:
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise bad_request(f"user={user!r}: must be a string of at most {MAX_USER_CHARS} characters", "user")
+
+
+def check_bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{name}={value!r}: must be true or false", name)
+    return value
+
+
+# -- sampling ----------------------------------------------------------------------------------
 def sampling_params(body: dict, max_model_len: int) -> SamplingParams:
-    """SamplingParams from a chat or completions body; a bad or unsupported value raises ApiError (400)."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"n={n!r}: only n=1 is supported", "n")
+    """SamplingParams from a chat or completions body; a bad or unsupported value raises ApiError (400).
+    Without max_tokens, max_tokens is max_model_len: the answer may run to the end of the context, as
+    with vLLM. A max_tokens given must leave room for the prompt (EngineClient checks it once the prompt
+    is read), so one of max_model_len or more is refused here."""
+    check_n(body)
     for name, neutral in NEUTRAL_VALUES.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
             raise bad_request(f"{name}={value!r}: not supported by this server", name)
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise bad_request(f"stop={stop!r}: must be a string or a list of strings", "stop")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad_request(f"ignore_eos={ignore_eos!r}: must be true or false", "ignore_eos")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    # Without a limit a request may run to the end of the context, as with vLLM.
+    for name in REAL_FIELDS:
+        check_finite_number(body, name)
+    stop = stop_strings(body)
+    ignore_eos = check_bool(body, "ignore_eos") or False
+    max_tokens = requested_max_tokens(body, max_model_len)
     fields = {name: body[name] for name in PASSED_THROUGH if body.get(name) is not None}
     try:
         return SamplingParams(**fields, max_tokens=max_model_len if max_tokens is None else max_tokens, stop=stop,
@@ -91,11 +217,60 @@ def sampling_params(body: dict, max_model_len: int) -> SamplingParams:
         raise from_value_error(e) from None
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """Messages with plain-text content; content given as a list of text parts is joined."""
+def check_n(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):  # true == 1 in Python: a bool is not an n
+        raise bad_request(f"n={n!r}: only n=1 is supported", "n")
+
+
+def check_finite_number(body: dict, name: str) -> None:
+    """A real number that a float holds finitely; SamplingParams checks its range. An integer such as
+    10**400 passes Python's type checks but overflows the float every comparison makes of it."""
+    value = body.get(name)
+    if value is None:
+        return
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise bad_request(f"{name}={value!r}: must be a finite number", name)
+
+
+def stop_strings(body: dict) -> str | list | None:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise bad_request(f"stop={stop!r}: must be a string or a list of strings", "stop")
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: {len(strings)} stop strings; at most {MAX_STOP_STRINGS} are taken", "stop")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in strings):
+        raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    return stop  # SamplingParams checks the items
+
+
+def requested_max_tokens(body: dict, max_model_len: int) -> int | None:
+    """max_completion_tokens (OpenAI's newer name), else max_tokens, else None."""
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    # One token of prompt at least: a limit this large can never fit the context.
+    if type(max_tokens) is int and max_tokens >= max_model_len:
+        raise bad_request(f"max_tokens={max_tokens}: this model's context holds {max_model_len} tokens, prompt "
+                          "and answer together", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    return max_tokens
+
+
+# -- prompts -----------------------------------------------------------------------------------
+def chat_messages(body: dict) -> Chat:
+    """The chat to render: messages with plain-text content (content given as a list of text parts is
+    joined) and the template options."""
+    check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"messages: {len(messages)} messages; at most {MAX_MESSAGES} are taken", "messages")
     plain = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -112,11 +287,30 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
         plain.append({"role": CHAT_ROLES[m["role"]], "content": content})
-    return plain
+    return Chat(plain, **chat_template_options(body))
+
+
+def chat_template_options(body: dict) -> dict:
+    """add_generation_prompt (default true), continue_final_message (default false; the final message is
+    continued, so no generation prompt may follow it) and chat_template_kwargs (template variables)."""
+    continue_final = check_bool(body, "continue_final_message") or False
+    add_generation = check_bool(body, "add_generation_prompt")
+    if add_generation is None:
+        add_generation = not continue_final
+    if add_generation and continue_final:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true: a continued "
+                          "message takes no generation prompt", "continue_final_message")
+    kwargs = body.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r}: must be an object of template variables",
+                          "chat_template_kwargs")
+    return {"add_generation_prompt": add_generation, "continue_final_message": continue_final,
+            "template_kwargs": kwargs}
 
 
 def completion_prompt(body: dict) -> str | list[int]:
     """One prompt: a string or a list of token ids (also either of them wrapped in a one-item list)."""
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -128,11 +322,22 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 def stream_options(body: dict) -> bool:
-    """Whether the client asked for a final usage chunk."""
-    options = body.get("stream_options") or {}
+    """Whether the client asked for a final usage chunk; stream_options come only with stream."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if body.get("stream") is not True:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
-    return bool(options.get("include_usage"))
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]}: not supported by this server", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request(f"stream_options.include_usage={include_usage!r}: must be true or false",
+                          "stream_options")
+    return bool(include_usage)
 
 
 # -- responses ---------------------------------------------------------------------------------
