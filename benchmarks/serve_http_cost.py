@@ -95,7 +95,7 @@ def serve_stand_in(port: int, step_s: float, model: str) -> None:
     """The server process: `zipage serve`'s app and HTTP stack in front of the stand-in engine."""
     import functools
 
-    from zipage.cli.serve.server import serve
+    from zipage.cli.serve.lifecycle import serve
     from zipage.engine.api import process
     from zipage.engine.config import EngineConfig
 

@@ -427,7 +427,8 @@ def serve(
 ):
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console.
     Limits, shutdown and metrics: docs/serving.md."""
-    from zipage.cli.serve.server import MIB, ServeLimits, serve as run_server
+    from zipage.cli.serve.guards import MIB, ServeLimits
+    from zipage.cli.serve.lifecycle import serve as run_server
 
     limits = ServeLimits(max_body_bytes=int(max_body_mb * MIB), allowed_origins=_origins(allowed_origins),
                          keep_alive_s=keep_alive_timeout, max_connections=max_connections,

@@ -7,23 +7,20 @@ detokenizing, and its event loop receives every request's new tokens once per en
 `zipage top|chat --attach`. What a client may send or hold (body size, content type, CORS origins,
 timeouts, connections), the graceful shutdown and the health rules are `ServeLimits`, described in
 docs/serving.md.
+
+This module is the app and its routes. The guards in front of it and `ServeLimits` are guards.py, what
+the endpoints share while the server runs is serving.py, and running it on uvicorn (`serve`) is
+lifecycle.py.
 """
 
-from __future__ import annotations
-
 import asyncio
-import contextlib
-import hmac
 import json
-import signal
-import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -32,245 +29,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from zipage.engine.core.outputs import RequestOutput
-from zipage.engine.events import EngineSnapshot, event_to_dict, snapshot_to_dict
-from zipage.engine.api.process import EngineGone, EngineProcess
+from zipage.engine.events import event_to_dict, snapshot_to_dict
+from zipage.engine.api.process import EngineGone
 from zipage.cli.serve import openai_protocol as api
 from zipage.cli.serve.engine_client import EngineClient, Submitted
+from zipage.cli.serve.guards import ApiKeyGuard, RequestLimits, ServeLimits, error_reason, refuse
 from zipage.cli.serve.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
+from zipage.cli.serve.serving import Serving, ShutdownGrace, engine_lifespan
 
-OPEN_PATHS = ("/health",)  # reachable without the API key
 EVENT_POLL_S = 0.1  # how often /zipage/events forwards new engine events
 KEEPALIVE_S = 2.0  # an idle event stream sends a comment this often, so either side notices a dead peer
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER = "x-zipage-request-id"  # the engine's id of the request, as the console panes show it
-SNAPSHOT_REFRESH_S = 1.0  # how often the server asks for a snapshot, so that /metrics and /health never wait for one
-SHUTDOWN_BACKSTOP_S = 2.0  # past the grace, how long uvicorn waits for the streams it ended to close
-MAX_HEADER_BYTES = 16 * 1024  # a request head still unfinished past this is refused with 400 (h11's default)
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """What a client may send or hold, and how the server stops (docs/serving.md)."""
-
-    max_body_bytes: int = 32 * MIB  # a larger body gets 413 before it is read
-    allowed_origins: tuple[str, ...] = ()  # web origins that may call the server (CORS); none by default
-    keep_alive_s: float = 5.0  # an idle connection, or one slow to send a request head, is closed after this
-    max_connections: int | None = 1000  # connections served at once; a request over the limit gets 503
-    shutdown_grace_s: float = 5.0  # after SIGTERM or Ctrl+C, open streams get this long to finish
-    stall_s: float = 60.0  # /health answers 503 when requests wait and no engine step ended for this long
 
 
 def sse(data) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def error_response(e: api.ApiError) -> JSONResponse:
-    # A body refused for its size is left unread: the connection closes rather than read the rest of it.
-    headers = {"Connection": "close"} if e.status == 413 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-# The reason label of zipage_errors_total for an error without a code of its own.
-ERROR_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                 413: "body_too_large", 415: "unsupported_media_type", 500: "internal_error", 503: "unavailable"}
-
-
-def error_reason(e: api.ApiError) -> str:
-    return e.code or ERROR_REASONS.get(e.status, str(e.status))
-
-
-def refuse(e: api.ApiError, metrics: ServerMetrics) -> JSONResponse:
-    """The error answer, counted in zipage_errors_total."""
-    metrics.count_error(error_reason(e))
-    return error_response(e)
-
-
-class ApiKeyGuard:
-    """ASGI middleware: every path but /health needs `Authorization: Bearer KEY`."""
-
-    def __init__(self, app, api_key: str, metrics: ServerMetrics):
-        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = api.ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                                     code="invalid_api_key")
-                await refuse(error, self.metrics)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyTooLarge(api.ApiError):
-    def __init__(self, limit: int):
-        super().__init__(413, f"the request body is larger than this server accepts ({limit} bytes)",
-                         code="body_too_large")
-
-
-def is_json(content_type: str) -> bool:
-    """application/json, with at most a UTF-8 charset (the only encoding JSON has)."""
-    media, *params = [part.strip().lower().replace(" ", "") for part in content_type.split(";")]
-    return media == "application/json" and all(p in ("charset=utf-8", 'charset="utf-8"') for p in params)
-
-
-class RequestLimits:
-    """ASGI middleware: a POST must say it carries JSON, which a web page cannot send to another site
-    without a CORS preflight (a text/plain body it can); and no body may pass `max_body_bytes`: a declared
-    length over it is refused unread, a chunked body as soon as its bytes pass it."""
-
-    def __init__(self, app, max_body_bytes: int, metrics: ServerMetrics):
-        self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        refusal = self.refusal(scope["method"], Headers(scope=scope))
-        if refusal is not None:
-            await refuse(refusal, self.metrics)(scope, receive, send)
-            return
-        await self.app(scope, self.counting(receive), send)
-
-    def refusal(self, method: str, headers: Headers) -> api.ApiError | None:
-        content_type = headers.get("content-type", "")
-        if method == "POST" and not is_json(content_type):
-            return api.ApiError(415, f"Content-Type {content_type!r}: send the body as application/json",
-                                code="unsupported_media_type")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return BodyTooLarge(self.max_body_bytes)
-        return None
-
-    def counting(self, receive):
-        """`receive`, raising BodyTooLarge (a 413 answer) once the body's bytes pass the limit."""
-        limit, received = self.max_body_bytes, 0
-
-        async def receive_counted():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge(limit)
-            return message
-
-        return receive_counted
-
-
-class SnapshotKeeper:
-    """The latest engine snapshot, kept recent by asking the engine every SNAPSHOT_REFRESH_S and whenever
-    the server's last open request ends: /metrics and /health read it and never wait on an engine that
-    may be stuck."""
-
-    def __init__(self, engine: EngineClient):
-        self.engine = engine
-        self.kept: EngineSnapshot = engine.process.first_snapshot
-        self.wanted = asyncio.Event()
-
-    @property
-    def latest(self) -> EngineSnapshot:
-        """The newest of those asked for and those the engine sent on its own (with a request's end)."""
-        sent = self.engine.last_snapshot
-        return sent if sent.time > self.kept.time else self.kept
-
-    def adopt(self, snap: EngineSnapshot) -> None:
-        if snap.time >= self.kept.time:
-            self.kept = snap
-
-    def refresh_soon(self) -> None:
-        self.wanted.set()
-
-    def step_age_s(self) -> float | None:
-        """Seconds since the engine last finished a step (None before its first): the snapshot's own
-        count plus the time since it was taken, so it keeps growing while a stuck engine sends none."""
-        since = self.latest.latency.since_last_step
-        return None if since is None else since + max(0.0, time.time() - self.latest.time)
-
-    async def run(self) -> None:
-        while self.engine.alive:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wanted.wait(), SNAPSHOT_REFRESH_S)
-            self.wanted.clear()
-            self.adopt(await self.engine.snapshot(fresh=True))
-
-
-class OpenRequests:
-    """The requests this server has in the engine: the pending work /health watches, and what a
-    shutdown ends."""
-
-    def __init__(self, on_idle: Callable[[], None]):
-        self.ids: set[int] = set()
-        self.busy_since: float | None = None
-        self.on_idle = on_idle
-
-    def add(self, request_id: int) -> None:
-        if not self.ids:
-            self.busy_since = time.monotonic()
-        self.ids.add(request_id)
-
-    def remove(self, request_id: int) -> None:
-        self.ids.discard(request_id)
-        if not self.ids and self.busy_since is not None:
-            self.busy_since = None
-            self.on_idle()
-
-    def busy_for(self) -> float | None:
-        return None if self.busy_since is None else time.monotonic() - self.busy_since
-
-
-class ShutdownGrace:
-    """Once the server stops accepting, open requests have `grace_s` to finish; then each one left is
-    aborted in the engine and ends with an error (an error event and [DONE] on a stream): closing the
-    engine client fails every request it still feeds."""
-
-    def __init__(self, engine: EngineClient, requests: OpenRequests, grace_s: float):
-        self.engine, self.requests, self.grace_s = engine, requests, grace_s
-        self.over = False
-        self._timer: asyncio.TimerHandle | None = None
-
-    def begin(self) -> None:
-        if self._timer is None and not self.over:
-            self._timer = asyncio.get_running_loop().call_later(self.grace_s, self.end_open_requests)
-
-    def end_open_requests(self) -> None:
-        self.over = True
-        for request_id in list(self.requests.ids):
-            self.engine.abort(request_id)
-        self.engine.close()
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-
-@dataclass
-class Serving:
-    """What every endpoint shares."""
-
-    engine: EngineClient
-    metrics: ServerMetrics
-    snapshots: SnapshotKeeper
-    requests: OpenRequests
-    shutdown: ShutdownGrace
-    stall_s: float
-
-    @classmethod
-    def around(cls, engine: EngineClient, limits: ServeLimits) -> "Serving":
-        snapshots = SnapshotKeeper(engine)
-        requests = OpenRequests(on_idle=snapshots.refresh_soon)  # the idle state shows at once
-        return cls(engine, ServerMetrics(), snapshots, requests,
-                   ShutdownGrace(engine, requests, limits.shutdown_grace_s), limits.stall_s)
-
-    def stalled_for(self) -> float | None:
-        """Seconds the engine has had work without finishing a step, once past `stall_s`; else None."""
-        busy = self.requests.busy_for()
-        if busy is None:
-            return None
-        age = self.snapshots.step_age_s()
-        stalled = busy if age is None else min(busy, age)
-        return stalled if stalled > self.stall_s else None
 
 
 class Generation:
@@ -541,26 +315,6 @@ async def on_crash(request: Request, e: Exception) -> Response:
 EXCEPTION_HANDLERS = {api.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
 
 
-def engine_lifespan(serving: Serving):
-    """The engine's turns are read on the server's event loop: it starts with the loop and closes with it,
-    and so does the task that keeps its snapshot recent."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        serving.engine.start()
-        keeper = asyncio.ensure_future(serving.snapshots.run())
-        try:
-            yield
-        finally:
-            serving.shutdown.cancel()
-            serving.engine.close()
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
-
-    return lifespan
-
-
 def middleware(serving: Serving, api_key: str | None, limits: ServeLimits) -> list[Middleware]:
     """Outermost first: CORS answers a browser's preflight, which carries no key; the key is checked
     before a body is looked at."""
@@ -582,71 +336,3 @@ def create_app(engine: EngineClient, api_key: str | None = None, limits: ServeLi
                     exception_handlers=EXCEPTION_HANDLERS, lifespan=engine_lifespan(serving))
     app.state.serving = serving
     return app
-
-
-def serve(engine: EngineProcess, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info", limits: ServeLimits = ServeLimits()) -> None:
-    """Run the server in this thread until interrupted; the caller closes the engine afterwards."""
-    import uvicorn
-
-    app = create_app(EngineClient(engine), api_key, limits)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, **connection_settings(limits))
-    # uvicorn raises SIGTERM again once it has shut down; raised as SystemExit instead of killing this
-    # process outright, it leaves the caller the time to stop the engine process.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main_thread else None
-    try:
-        graceful_server(config, app.state.serving.shutdown).run()
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def connection_settings(limits: ServeLimits) -> dict:
-    """uvicorn's settings for slow, idle or too many clients, and its last-resort shutdown deadline."""
-    return dict(
-        http=h11_with_head_deadline(), timeout_keep_alive=limits.keep_alive_s,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        # uvicorn counts the connection asking too: one more lets `max_connections` connections be served.
-        limit_concurrency=None if limits.max_connections is None else limits.max_connections + 1,
-        # ShutdownGrace ends open streams at the grace; uvicorn cancels whatever is left past this.
-        timeout_graceful_shutdown=limits.shutdown_grace_s + SHUTDOWN_BACKSTOP_S)
-
-
-def graceful_server(config, grace: ShutdownGrace):
-    """A uvicorn Server that starts the grace of open streams as it stops accepting connections."""
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            grace.begin()
-            await super().shutdown(sockets)
-
-    return GracefulServer(config)
-
-
-def h11_with_head_deadline():
-    """uvicorn's h11 protocol, its keep-alive timer also bounding the wait for a request's head: a
-    connection that opens, or finishes a response, and has not sent a whole head within the keep-alive
-    timeout is closed. (uvicorn stops that timer at the first byte, so a client sending its head a byte
-    at a time would hold the connection for ever.)"""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class H11WithHeadDeadline(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self.timeout_keep_alive_handler)
-
-        def data_received(self, data: bytes) -> None:
-            self.conn.receive_data(data)
-            self.handle_events()
-            if self.conn.their_state is not h11.IDLE:  # a whole head arrived: its deadline is met
-                self._unset_keepalive_if_required()
-
-    return H11WithHeadDeadline
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
