@@ -407,7 +407,10 @@ def _fake_runner(s: Sizes, gen, num_blocks: int):
     return SimpleNamespace(
         device=dev, num_layers=s.layers, head_dim=s.head_dim, kv_cache=kv,
         query_cache=torch.randn(s.layers, 2 * s.window, s.q_heads, s.head_dim, generator=gen).to(dev, s.dtype),
-        score_cache=torch.rand(s.layers, num_blocks * s.block_size, s.kv_heads, generator=gen).to(dev))
+        score_cache=torch.rand(s.layers, num_blocks * s.block_size, s.kv_heads, generator=gen).to(dev),
+        position_cache=torch.randint(0, 1 << 20, (s.layers, num_blocks * s.block_size, s.kv_heads), generator=gen,
+                                     dtype=torch.int32).to(dev),
+        choice_cache=torch.zeros(s.layers, num_blocks * s.block_size, s.kv_heads, device=dev))
 
 
 def _compression_job(s: Sizes, gen, num_blocks: int, first: bool):

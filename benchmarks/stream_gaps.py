@@ -6,7 +6,9 @@ Through EngineThread, as the console uses it: `--streams` requests decode (EOS i
 `--warm` tokens, then one `--prompt-len` prompt arrives. Each stream's token times are taken on the
 engine thread (the on_output hook). Reported per configuration: the streams' inter-token latency p50
 before the prompt, the longest gap of any stream from the prompt's arrival to its first token, and the
-prompt's time to first token; plus the prompt's time to first token alone (no streams).
+prompt's time to first token; plus the prompt's time to first token alone (no streams). The first
+trial ("cold") runs right after the engine starts: its streams' longest gap before the prompt shows
+any first-time pause, and it lists the Triton kernels first specialised after start.
 
     python benchmarks/stream_gaps.py --model random:qwen3-8b --device cuda --prompt-len 32768 --streams 32
     python benchmarks/stream_gaps.py --model random:llama-tiny --device cpu --prompt-len 2048 --streams 2 \\
@@ -78,8 +80,32 @@ def trial(engine: EngineThread, args, long_prompt: list[int], streams: int) -> d
             span = [last_before] + [t for t in inside if t <= first] + [next(t for t in inside if t > first)]
             during.append(max(b - a for a, b in zip(span, span[1:])))
         result.update(itl_p50_before_ms=round(statistics.median(before) * 1e3, 2),
+                      longest_gap_before_ms=round(max(before) * 1e3, 1),
                       longest_gap_ms=round(max(during) * 1e3, 1))
     return result
+
+
+class CompileLog:
+    """Triton kernels specialised for the first time in this process (compiled, or loaded from the
+    disk cache), with when: a kernel that first runs while requests are streaming pauses them."""
+
+    def __init__(self):
+        self.events: list[tuple[float, str]] = []
+        self.hooked = False
+        try:
+            import triton
+
+            triton.knobs.runtime.jit_cache_hook = self._hook
+            self.hooked = True
+        except (ImportError, AttributeError):
+            pass
+
+    def _hook(self, *args, **kwargs):
+        self.events.append((time.perf_counter(), str(kwargs.get("repr", ""))[:160]))
+        return False  # compile as usual
+
+    def since(self, start: float) -> list[str]:
+        return [f"{t - start:+.2f}s {name}" for t, name in self.events if t >= start]
 
 
 def main(argv=None) -> int:
@@ -101,7 +127,9 @@ def main(argv=None) -> int:
         name, value = item.split("=", 1)
         knobs[name] = ast.literal_eval(value)
     # Built once with the largest budget (the activation peak is profiled for it), then lowered per trial.
+    compiles = CompileLog()
     engine = EngineThread(args.model, device=args.device, max_num_batched_tokens=max(budgets), **knobs)
+    ready = time.perf_counter()
     device = str(engine.engine.runner.device)
     results = dict(args=vars(args), hardware=device_description(device) if device.startswith("cuda") else cpu_description(),
                    trials=[])
@@ -110,7 +138,12 @@ def main(argv=None) -> int:
     try:
         config = engine.engine.config
         warmup = torch.randint(1, vocab, (min(args.prompt_len, 4096),), generator=gen).tolist()
-        trial(engine, args, warmup, min(args.streams, 2))  # compile kernels, capture graphs
+        # The first trial meets every kernel first: what it shows is what a freshly started engine shows.
+        row = dict(budget=config.max_num_batched_tokens, mode="cold", **trial(engine, args, warmup, args.streams))
+        row["kernels_first_used_after_start"] = compiles.since(ready)
+        print(row, flush=True)
+        results["trials"].append(row)
+        warm = time.perf_counter()
         for budget in budgets:
             config.max_num_batched_tokens = budget
             for mode in args.modes.split(","):
@@ -126,6 +159,8 @@ def main(argv=None) -> int:
             print(row, flush=True)
             results["trials"].append(row)
             write_json(args.json, results)
+        results["kernels_first_used_when_warm"] = compiles.since(warm)
+        write_json(args.json, results)
     finally:
         engine.close()
     return 0

@@ -60,6 +60,7 @@ class Sequence:
         self.query_slot: int | None = None
         self.pending_blocks: list[int] = []  # fresh blocks reserved by a compression in flight
         self.num_scored = 0  # leading KV entries that carry a score out of the last compression
+        self.protected = (0, 0)  # (leading, newest) of those entries that compression kept outright
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): the output's first tokens, fed whatever is sampled
@@ -144,9 +145,11 @@ class Sequence:
         self.compressed_for = reason
         self.status = Status.COMPRESSING
 
-    def land_compression(self, table: list[int], kept: int) -> None:
-        """The compaction is done: `kept` entries in `table`, each carrying a score."""
+    def land_compression(self, table: list[int], kept: int, protected: tuple[int, int] = (0, 0)) -> None:
+        """The compaction is done: `kept` entries in `table`, each carrying a score; the first and last
+        of them as `protected` counts were kept outright (CompressionJob.kept)."""
         self.block_table = table
+        self.protected = protected
         self.pending_blocks = []
         self.releasing = 0
         self.kv_len = kept

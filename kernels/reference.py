@@ -191,12 +191,17 @@ def keep_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None) -> None:
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None,
+               position_cache: torch.Tensor | None = None, choice_cache: torch.Tensor | None = None,
+               kept_choices: torch.Tensor | None = None) -> None:
     """Move the kept entries of every KV head into the target slots, all at once.
 
     src_slots [kv_heads, keep]: the cache slot each head keeps at each position; dst_slots [keep].
     Sources may overlap targets: everything is gathered before anything is written.
     score_cache [slots, kv_heads] (optional) receives kept_scores [kv_heads, keep].
+    position_cache [slots, kv_heads] (optional, int32): each entry's token position, moved with its
+    entry; choice_cache [slots, kv_heads] (optional) receives kept_choices [kv_heads, keep], the score
+    each kept entry was ranked by (docs/design-notes.md, "What a request still holds").
     """
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     heads = torch.arange(kv_heads, device=k_cache.device)[None, :]
@@ -206,10 +211,15 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     v_flat = v_cache.view(-1, kv_heads, head_dim)
     kept_k = k_flat[src, heads]  # [keep, kv_heads, D] (a copy)
     kept_v = v_flat[src, heads]
+    kept_positions = position_cache[src, heads] if position_cache is not None else None
     k_flat[dst] = kept_k
     v_flat[dst] = kept_v
     if score_cache is not None and kept_scores is not None:
         score_cache[dst] = kept_scores.t().to(score_cache.dtype)
+    if kept_positions is not None:
+        position_cache[dst] = kept_positions
+    if choice_cache is not None and kept_choices is not None:
+        choice_cache[dst] = kept_choices.t().to(choice_cache.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,10 +9,17 @@ decode attention can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # bulk tensor copies (TMA) on Hopper; older Triton has no host-side descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 
@@ -106,7 +113,9 @@ def _partition_len(ctx, num_partitions, min_partition, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.maximum(share, min_partition), BLOCK_N)
 
 
-@triton.jit
+# Lengths and table widths change from batch to batch; Triton would otherwise compile a new binary
+# whenever one of them turns divisible by 16 or not, pausing every stream mid-serve.
+@triton.jit(do_not_specialize=["table_width", "num_partitions", "min_partition", "s_tb"])
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
@@ -168,7 +177,7 @@ def _decode_partition_kernel(
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions", "min_partition"])
 def _decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, num_partitions, min_partition,
     s_ob, s_oh, s_od,
@@ -281,10 +290,69 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # Prefill attention
 
 
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Launch shape of the prefill kernel: query rows and keys per tile, warps, pipeline stages,
+    whether full key tiles arrive by the tensor-memory copy engine (TMA, Hopper), and whether the
+    programs of one query tile run for all heads side by side (heads_fast) or one head's tiles do."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    heads_fast: bool = False
+
+
 @triton.jit
+def _prefill_tile(
+    q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn, table_width, t0, n, kv_end, q_pos,
+    kvh, d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    TMA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Fold one key tile into the running softmax of the query rows. A full tile (MASKED false)
+    lies wholly before every row's position and inside the context: no mask, and with TMA its
+    keys and values come by bulk copy (the tile sits inside one cache block). The diagonal and
+    last tiles hide keys past each row's position and past the context."""
+    t = t0 + n
+    if MASKED:
+        blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t < kv_end, BLOCK_N, BLOCK_SIZE)
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        off = t % BLOCK_SIZE
+        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
+                    mask=kv_mask, other=0.0)
+    elif TMA:  # 2-D views of the caches: [blocks * BLOCK_SIZE, kv heads * HEAD_DIM]
+        blk = tl.load(table_row + (t0 // BLOCK_SIZE) * s_tn)
+        row0 = blk * BLOCK_SIZE + t0 % BLOCK_SIZE
+        k = k_desc.load([row0, kvh * HEAD_DIM])
+        v = v_desc.load([row0, kvh * HEAD_DIM])
+    else:
+        blk, _ = _tile_blocks(table_row, s_tn, table_width, t0, t, t < kv_end, BLOCK_N, BLOCK_SIZE)
+        off = t % BLOCK_SIZE
+        k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
+                    mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
+                    mask=d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
+        m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
+    else:  # every row sees a key here: no -inf guard; the scale rides in one multiply-add
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "table_width", "num_tiles", "s_tb"])  # see the decode kernel
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
-    scale_log2, num_seqs, table_width,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, cu_ptr, lens_ptr, out_ptr,
+    qk_scale, num_seqs, table_width, num_tiles,
     s_qt, s_qh, s_qd,
     s_kb, s_ko, s_kh, s_kd,
     s_vb, s_vo, s_vh, s_vd,
@@ -292,11 +360,18 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, PREC: tl.constexpr,
+    TMA: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """One (query tile, query head). Tiles are numbered across sequences in order; each program
-    finds its sequence from cu_seqlens in-kernel (no host mapping). Surplus programs do nothing."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    finds its sequence from cu_seqlens in-kernel (no host mapping). Surplus programs do nothing.
+    Programs take tiles from the last one down: the longest rows of a causal prompt start first,
+    so the short ones fill the end of the launch."""
+    if HEADS_FAST:
+        h = tl.program_id(0)
+        tile = num_tiles - 1 - tl.program_id(1)
+    else:
+        tile = num_tiles - 1 - tl.program_id(0)
+        h = tl.program_id(1)
     kvh = h // GROUP
 
     # Tiles per sequence and their running total -> this program's sequence.
@@ -325,27 +400,67 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
-    kv_end = tl.minimum(ctx, ctx - num_q + i0 + BLOCK_M)
-    kv_end = tl.where(active, kv_end, 0)
+    # Keys before the tile's first row are seen by every row: full tiles, no mask. The rest, up to
+    # the last row's position, are the diagonal.
+    kv_end = tl.where(active, tl.minimum(ctx, ctx - num_q + i0 + BLOCK_M), 0)
+    full_end = tl.where(active, (ctx - num_q + i0 + 1) // BLOCK_N * BLOCK_N, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table_row = table_ptr + seq.to(tl.int64) * s_tb
     n = tl.arange(0, BLOCK_N)
-    for t0 in range(0, kv_end, BLOCK_N):
-        t = t0 + n
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width,
-                                     t0, t, t < kv_end, q_pos, kvh, d, d_ok, scale_log2,
-                                     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                     BLOCK_N, BLOCK_SIZE, True, PREC)
+    for t0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn,
+                                      table_width, t0, n, kv_end, q_pos, kvh, d, d_ok, qk_scale,
+                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                      BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, TMA, PREC)
+    for t0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn,
+                                      table_width, t0, n, kv_end, q_pos, kvh, d, d_ok, qk_scale,
+                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                      BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, TMA, PREC)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + d[None, :] * s_od,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def prefill_tiles(total: int, head_dim: int, device: torch.device, itemsize: int = 2) -> PrefillTiles:
+    """The launch shape for a prefill of `total` query rows of a cache with `itemsize`-byte entries
+    (docs/benchmarks.md, "Prefill attention at the compute limit", has the sweep the Hopper shapes
+    come from: 128 x 128 tiles for head size 128, 64 x 64 with the heads side by side for 64)."""
+    d_pad = max(16, next_pow2(head_dim))
+    block_n = 64 if d_pad <= 128 else 32
+    if total >= 128 and itemsize <= 2 and _hopper(device):
+        if d_pad <= 64:
+            return PrefillTiles(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True, heads_fast=True)
+        if d_pad == 128:
+            return PrefillTiles(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+    return PrefillTiles(block_m=64 if total >= 64 else 16, block_n=block_n,
+                        num_warps=4 if d_pad <= 64 else 8, num_stages=2)
+
+
+def _tma_ok(tiles: PrefillTiles, cache, head_dim: int, d_pad: int, block_size: int) -> bool:
+    """Bulk copies need a tile inside one cache block, a power-of-two head, and a cache whose
+    [blocks, block_size, kv_heads, head_dim] layout is contiguous (a 2-D view with 16-byte rows)."""
+    on_device = cache.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter emulates them
+    return (TensorDescriptor is not None and tiles.tma and on_device and d_pad == head_dim
+            and tiles.block_n <= block_size and cache.is_contiguous()
+            and cache.shape[2] * head_dim * cache.element_size() % 16 == 0)
+
+
+def _row_view_descriptor(cache, block_n: int, head_dim: int):
+    rows = cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
+    return TensorDescriptor.from_tensor(rows, [block_n, head_dim])
+
+
 def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                           block_m: int | None = None, block_n: int | None = None):
+                           block_m: int | None = None, block_n: int | None = None,
+                           tiles: PrefillTiles | None = None):
     total, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((total, q_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -353,19 +468,26 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
     if total == 0 or num_seqs == 0:
         return out
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
-    block_m = block_m or (64 if total >= 64 else 16)
-    block_n = block_n or (64 if d_pad <= 128 else 32)
+    tiles = tiles or prefill_tiles(total, head_dim, query.device, k_cache.element_size())
+    if block_m or block_n:
+        tiles = replace(tiles, block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
+    tma = _tma_ok(tiles, k_cache, head_dim, d_pad, block_size) and _tma_ok(tiles, v_cache, head_dim, d_pad, block_size)
+    if tma:
+        k_desc = _row_view_descriptor(k_cache, tiles.block_n, head_dim)
+        v_desc = _row_view_descriptor(v_cache, tiles.block_n, head_dim)
+    else:
+        k_desc, v_desc = k_cache, v_cache  # unused
     # Sum over sequences of ceil(q_i / BLOCK_M) never exceeds this (a shape-only bound).
-    num_tiles = min(total, triton.cdiv(total, block_m) + num_seqs)
-    grid = (num_tiles, q_heads)
+    num_tiles = min(total, triton.cdiv(total, tiles.block_m) + num_seqs)
+    grid = (q_heads, num_tiles) if tiles.heads_fast else (num_tiles, q_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, num_seqs, block_tables.shape[1],
+        query, k_cache, v_cache, k_desc, v_desc, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * LOG2E, num_seqs, block_tables.shape[1], num_tiles,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, B_PAD=max(64, next_pow2(num_seqs)),  # few variants
-        PREC=dot_precision(k_cache.dtype),
-        num_warps=4 if d_pad <= 64 else 8, num_stages=2,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, B_PAD=max(64, next_pow2(num_seqs)),  # few variants
+        PREC=dot_precision(k_cache.dtype), TMA=tma, HEADS_FAST=tiles.heads_fast,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 
@@ -378,4 +500,4 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 __all__ = ["paged_decode_attention", "prefill_attention", "paged_decode_attention_impl",
-           "prefill_attention_impl", "decode_num_partitions", "next_pow2", "num_sms", "dot_precision"]
+           "prefill_attention_impl", "prefill_tiles", "PrefillTiles", "decode_num_partitions", "next_pow2", "num_sms", "dot_precision"]

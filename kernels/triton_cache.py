@@ -99,29 +99,36 @@ def _compact_tile(slot_ptr, s_j, keep, h, KV_HEADS: tl.constexpr, HEAD_DIM: tl.c
 
 @triton.jit
 def _compact_gather_kernel(
-    k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, keep,
-    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj,
+    k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, pos_ptr, tmp_pos_ptr, keep,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj, s_pos_slot, s_pos_h,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
 ):
-    """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous)."""
+    """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous); with
+    HAS_POSITIONS, each one's token position -> tmp_pos[j, h]."""
     h = tl.program_id(1)
-    _, _, _, blk, off, d, mask, tmp = _compact_tile(src_ptr + h * s_sh, s_sj, keep, h,
-                                                    KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
+    j, slot, ok, blk, off, d, mask, tmp = _compact_tile(src_ptr + h * s_sh, s_sj, keep, h,
+                                                        KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
     k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + h * s_kh + d[None, :] * s_kd, mask=mask)
     tl.store(tmp_k_ptr + tmp, k, mask=mask)
     v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + h * s_vh + d[None, :] * s_vd, mask=mask)
     tl.store(tmp_v_ptr + tmp, v, mask=mask)
+    if HAS_POSITIONS:
+        pos = tl.load(pos_ptr + slot * s_pos_slot + h * s_pos_h, mask=ok)
+        tl.store(tmp_pos_ptr + j.to(tl.int64) * KV_HEADS + h, pos, mask=ok)
 
 
 @triton.jit
 def _compact_scatter_kernel(
-    k_ptr, v_ptr, dst_ptr, tmp_k_ptr, tmp_v_ptr, score_ptr, kept_ptr, keep,
+    k_ptr, v_ptr, dst_ptr, tmp_k_ptr, tmp_v_ptr, score_ptr, kept_ptr, pos_ptr, tmp_pos_ptr, choice_ptr,
+    kept_choice_ptr, keep,
     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_dj, s_sc_slot, s_sc_h, s_kp_h, s_kp_j,
+    s_pos_slot, s_pos_h, s_ch_slot, s_ch_h, s_kc_h, s_kc_j,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_SCORES: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SCORES: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_CHOICES: tl.constexpr,
 ):
-    """tmp[j, h, :] -> slot dst[j] of head h; and the kept score of (h, j) into the score cache."""
+    """tmp[j, h, :] -> slot dst[j] of head h; the kept score of (h, j) into the score cache; with
+    HAS_POSITIONS the gathered position, with HAS_CHOICES the score it was ranked by, into theirs."""
     h = tl.program_id(1)
     j, dst, ok, blk, off, d, mask, tmp = _compact_tile(dst_ptr, s_dj, keep, h,
                                                        KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
@@ -132,13 +139,22 @@ def _compact_scatter_kernel(
     if HAS_SCORES:
         sc = tl.load(kept_ptr + h * s_kp_h + j.to(tl.int64) * s_kp_j, mask=ok)
         tl.store(score_ptr + dst * s_sc_slot + h * s_sc_h, sc.to(score_ptr.dtype.element_ty), mask=ok)
+    if HAS_POSITIONS:
+        pos = tl.load(tmp_pos_ptr + j.to(tl.int64) * KV_HEADS + h, mask=ok)
+        tl.store(pos_ptr + dst * s_pos_slot + h * s_pos_h, pos, mask=ok)
+    if HAS_CHOICES:
+        ch = tl.load(kept_choice_ptr + h * s_kc_h + j.to(tl.int64) * s_kc_j, mask=ok)
+        tl.store(choice_ptr + dst * s_ch_slot + h * s_ch_h, ch.to(choice_ptr.dtype.element_ty), mask=ok)
 
 
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None) -> None:
-    """Move the kept entries of every KV head into the target slots (see kernels.reference).
-    Sources may overlap targets: the first launch gathers every kept entry into a buffer, the
-    second (ordered after it on the stream) scatters them."""
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None,
+               position_cache: torch.Tensor | None = None, choice_cache: torch.Tensor | None = None,
+               kept_choices: torch.Tensor | None = None) -> None:
+    """Move the kept entries of every KV head into the target slots (see kernels.reference), and
+    their positions and ranking scores with them when those tables are given. Sources may overlap
+    targets: the first launch gathers every kept entry into a buffer, the second (ordered after it
+    on the stream) scatters them."""
     kv_heads, keep = src_slots.shape
     if keep == 0:
         return
@@ -146,22 +162,34 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     d_pad = next_pow2(head_dim)
     tmp_k = torch.empty((keep, kv_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
     tmp_v = torch.empty((keep, kv_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
+    has_positions = position_cache is not None
+    tmp_pos = (torch.empty((keep, kv_heads), dtype=position_cache.dtype, device=position_cache.device)
+               if has_positions else tmp_k)
+    pos_arg = position_cache if has_positions else tmp_k
+    pos_strides = position_cache.stride() if has_positions else (0, 0)
     block_k = 64 if d_pad <= 128 else 32
     grid = (triton.cdiv(keep, block_k), kv_heads)
     _compact_gather_kernel[grid](
-        k_cache, v_cache, src_slots, tmp_k, tmp_v, keep,
-        *k_cache.stride(), *v_cache.stride(), *src_slots.stride(),
+        k_cache, v_cache, src_slots, tmp_k, tmp_v, pos_arg, tmp_pos, keep,
+        *k_cache.stride(), *v_cache.stride(), *src_slots.stride(), *pos_strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
-        num_warps=4,
+        HAS_POSITIONS=has_positions, num_warps=4,
     )
     has_scores = score_cache is not None and kept_scores is not None
     score_arg = score_cache if has_scores else tmp_k
     kept_arg = kept_scores if has_scores else tmp_k
     sc_strides = score_cache.stride() if has_scores else (0, 0)
     kp_strides = kept_scores.stride() if has_scores else (0, 0)
+    has_choices = choice_cache is not None and kept_choices is not None
+    choice_arg = choice_cache if has_choices else tmp_k
+    kept_choice_arg = kept_choices if has_choices else tmp_k
+    ch_strides = choice_cache.stride() if has_choices else (0, 0)
+    kc_strides = kept_choices.stride() if has_choices else (0, 0)
     _compact_scatter_kernel[grid](
-        k_cache, v_cache, dst_slots, tmp_k, tmp_v, score_arg, kept_arg, keep,
-        *k_cache.stride(), *v_cache.stride(), dst_slots.stride(0), *sc_strides, *kp_strides,
+        k_cache, v_cache, dst_slots, tmp_k, tmp_v, score_arg, kept_arg, pos_arg, tmp_pos, choice_arg,
+        kept_choice_arg, keep,
+        *k_cache.stride(), *v_cache.stride(), dst_slots.stride(0), *sc_strides, *kp_strides, *pos_strides,
+        *ch_strides, *kc_strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
-        HAS_SCORES=has_scores, num_warps=4,
+        HAS_SCORES=has_scores, HAS_POSITIONS=has_positions, HAS_CHOICES=has_choices, num_warps=4,
     )

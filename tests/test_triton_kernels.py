@@ -169,6 +169,24 @@ def test_prefill_attention(group, head_dim, block_size):
         close(tatt.prefill_attention_impl(*args, block_m=16, block_n=32), expected)
 
 
+@pytest.mark.parametrize("tma,heads_fast", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 8)])
+def test_prefill_attention_launch_shapes(tma, heads_fast, block_m, block_n):
+    """Every launch shape the GPU may pick (bulk-copied full tiles, heads side by side, tiles of
+    several sizes) computes the same attention: full tiles, diagonal tiles and a cached prefix."""
+    gen = torch.Generator().manual_seed(block_m + block_n + 2 * tma + heads_fast)
+    shapes = [(70, 70), (33, 120), (1, 40), (48, 64)]
+    block_size, head_dim, group = 16, 32, 2
+    lens = [n for _, n in shapes]
+    k_cache, v_cache, tables = paged_cache(lens, block_size, KV_HEADS, head_dim, gen, ahead=[1, 0, 0, 1])
+    cu = torch.tensor([0] + torch.tensor([q for q, _ in shapes]).cumsum(0).tolist(), dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), KV_HEADS * group, head_dim, generator=gen)
+    args = (query, k_cache, v_cache, tables, cu, torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5)
+    tiles = tatt.PrefillTiles(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=tma,
+                              heads_fast=heads_fast)
+    close(tatt.prefill_attention_impl(*args, tiles=tiles), ref.prefill_attention(*args))
+
+
 # ---------------------------------------------------------------------------------------------
 # Scores
 

@@ -6,13 +6,14 @@ engine and never competes with the parent's work (HTTP, JSON) for one interprete
 
 They talk over two pipes. The parent sends the front-door messages (protocol.py) over a
 multiprocessing connection: Submit (prompt ids, SamplingParams, session and a key), Abort,
-TakeSnapshot (answered after the next step, under its key) and Close (abort everything and exit).
-The child answers, in frames the parent reads without blocking (frames.py), with at most one
-`Turn` per loop turn (one engine step): what became of the submits it took, the new token ids of
-every running request, the requests that ended, the engine's new events and the snapshots asked
-for. The child detokenizes only requests with stop strings (the engine must match them); for the
-others it submits with `stream=False`, reads their new ids off the engine's sequences, and leaves
-the text to the parent (request_stream.py).
+TakeSnapshot (answered after the next step, under its key), TakeKept (taken before the next step,
+answered under its key) and Close (abort everything and exit). The child answers, in frames the
+parent reads without blocking (frames.py), with at most one `Turn` per loop turn (one engine step):
+what became of the submits it took, the new token ids of every running request, the requests that
+ended, the engine's new events and the snapshots and kept maps asked for. The child detokenizes only
+requests with stop strings (the engine must match them); for the others it submits with
+`stream=False`, reads their new ids off the engine's sequences, and leaves the text to the parent
+(request_stream.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from dataclasses import dataclass, field
 
 from zipage.engine.config import EngineConfig
 from zipage.engine.core.engine_core import EngineCore
-from zipage.engine.core.outputs import PromptTooLong, RequestOutput
+from zipage.engine.core.outputs import PromptTooLong, RequestOutput, UnknownRequest
 from zipage.engine.events import EngineSnapshot, Event
 from zipage.engine.api.frames import FrameReader, write_frame
-from zipage.engine.api.protocol import Abort, Close, Message, MessageHandler, Submit, TakeSnapshot
+from zipage.engine.api.protocol import Abort, Close, Message, MessageHandler, Submit, TakeKept, TakeSnapshot
+from zipage.engine.kv.kept import KeptMap
 from zipage.engine.loading.loader import resolve_model
 from zipage.engine.loading.prompts import PromptReader
 
@@ -54,11 +56,13 @@ class Turn:
     ended: list[RequestOutput] = field(default_factory=list)  # final outputs, every output id in them
     events: list[Event] = field(default_factory=list)
     snapshot: tuple[list[int], EngineSnapshot] | None = None  # (keys that asked, the snapshot)
+    # (key, the map asked for, or why there is none: UnknownRequest, or a RuntimeError that says why)
+    kept: list[tuple[int, KeptMap | Exception]] = field(default_factory=list)
     failure: str | None = None  # the loop broke: the child exits after this turn
 
     def __bool__(self) -> bool:
         return bool(self.accepted or self.refused or self.tokens or self.ended or self.events or self.snapshot
-                    or self.failure)
+                    or self.kept or self.failure)
 
 
 # -- the child ------------------------------------------------------------------------------------
@@ -137,6 +141,14 @@ class EngineLoop(MessageHandler):
 
     def on_snapshot(self, message: TakeSnapshot, turn: Turn) -> None:
         self.snapshot_keys.append(message.key)
+
+    def on_kept(self, message: TakeKept, turn: Turn) -> None:
+        try:
+            turn.kept.append((message.key, self.engine.kept(message.request_id)))
+        except UnknownRequest as e:
+            turn.kept.append((message.key, e))
+        except Exception as e:  # noqa: BLE001 - the question failed, not the loop; rebuilt so that it pickles
+            turn.kept.append((message.key, RuntimeError(f"{type(e).__name__}: {e}")))
 
     def on_close(self, message: Close, turn: Turn) -> None:
         self.closing = True

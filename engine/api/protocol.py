@@ -21,6 +21,7 @@ from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, Request
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.core.outputs import RequestOutput
 from zipage.engine.events import EngineSnapshot
+from zipage.engine.kv.kept import KeptMap
 
 
 @runtime_checkable
@@ -57,6 +58,11 @@ class FrontDoor(Door, Protocol):
 
     def unsubscribe(self, q: EventQueue) -> None:
         """Stop feeding a queue `subscribe` gave."""
+
+    def kept(self, handle: RequestHandle | int) -> KeptMap:
+        """Which token positions a running request's KV cache still holds, per layer and KV head, and
+        why (docs/design-notes.md, "What a request still holds"). UnknownRequest (a KeyError) for a
+        request the engine does not hold: never submitted there, or finished."""
 
     @property
     def alive(self) -> bool:
@@ -96,6 +102,9 @@ class AsyncFrontDoor(Door, Protocol):
     def unsubscribe(self, q: EventQueue) -> None:
         """Stop feeding a queue `subscribe` gave."""
 
+    async def kept(self, request_id: int) -> KeptMap:
+        """What a running request's KV cache still holds, and why; UnknownRequest if it is not live."""
+
     @property
     def alive(self) -> bool:
         """Whether the engine behind the door still serves."""
@@ -128,6 +137,14 @@ class TakeSnapshot:
 
 
 @dataclass(frozen=True)
+class TakeKept:
+    """Ask which positions a request's KV cache still holds (`EngineCore.kept`), between two steps."""
+
+    request_id: int
+    key: int | None = None  # matches the engine process's answer to this message
+
+
+@dataclass(frozen=True)
 class StepOnce:
     """Run one whole step of a held loop (teaching mode)."""
 
@@ -137,7 +154,7 @@ class Close:
     """Abort everything and stop the loop."""
 
 
-Message = Submit | Abort | TakeSnapshot | StepOnce | Close
+Message = Submit | Abort | TakeSnapshot | TakeKept | StepOnce | Close
 
 
 def describe(message: Message) -> str:
@@ -150,8 +167,8 @@ class MessageHandler:
     out, and such a message is a ValueError that names it."""
 
     def handle(self, message: Message, reply=None) -> None:
-        method = {Submit: "on_submit", Abort: "on_abort", TakeSnapshot: "on_snapshot", StepOnce: "on_step",
-                  Close: "on_close"}.get(type(message))
+        method = {Submit: "on_submit", Abort: "on_abort", TakeSnapshot: "on_snapshot", TakeKept: "on_kept",
+                  StepOnce: "on_step", Close: "on_close"}.get(type(message))
         handler = getattr(self, method, None) if method else None
         if handler is None:
             raise ValueError(f"{type(self).__name__} does not take {type(message).__name__} messages")

@@ -13,11 +13,13 @@ import weakref
 from typing import Callable
 
 from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EngineClosed, EventQueue, RequestHandle, Subscribers
-from zipage.engine.api.protocol import Abort, Message, MessageHandler, StepOnce, Submit, TakeSnapshot, describe
+from zipage.engine.api.protocol import (Abort, Message, MessageHandler, StepOnce, Submit, TakeKept, TakeSnapshot,
+                                        describe)
 from zipage.engine.config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 from zipage.engine.core.outputs import RequestOutput
 from zipage.engine.events import EngineSnapshot
+from zipage.engine.kv.kept import KeptMap
 
 SNAPSHOT_INTERVAL_S = 0.25
 _LIVE: "weakref.WeakSet[EngineThread]" = weakref.WeakSet()
@@ -103,6 +105,13 @@ class EngineThread(MessageHandler):
             except EngineClosed:
                 pass
         return self._snapshot
+
+    def kept(self, handle: RequestHandle | int) -> KeptMap:
+        """Which token positions a running request's KV cache still holds, and why
+        (docs/design-notes.md, "What a request still holds"), taken between two steps.
+        UnknownRequest for a request the engine does not hold (never submitted, or finished)."""
+        request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)
+        return self._call(TakeKept(request_id))
 
     def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
         """A queue that receives every engine Event from now on (the oldest are dropped, and
@@ -254,6 +263,12 @@ class EngineThread(MessageHandler):
 
     def on_snapshot(self, message: TakeSnapshot, reply: queue.Queue) -> None:
         reply.put((True, self._publish(force=True)))
+
+    def on_kept(self, message: TakeKept, reply: queue.Queue) -> None:
+        try:
+            reply.put((True, self.engine.kept(message.request_id)))
+        except Exception as e:  # the caller's question failed, not the engine loop
+            reply.put((False, e))
 
     def on_step(self, message: StepOnce, reply: queue.Queue) -> None:
         """One whole step by hand (teaching mode): its tokens are read before the reply."""

@@ -17,6 +17,8 @@ from zipage.engine.kv.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.loading.detokenizer import IncrementalDetokenizer
 from zipage.engine.kv.geometry import CompressionGeometry, check_request_budget
+from zipage.engine.kv.kept import KeptMap
+from zipage.engine.kv.kept_reasons import kept_map
 from zipage.engine.latency import LatencyMonitor
 from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_SHARED, ROLE_TARGET, Admitted, Aborted,
                                   Compressed, EngineSnapshot, Event, Failed, Finished, MemoryInfo, PoolInfo, Preempted,
@@ -28,7 +30,7 @@ from zipage.engine.execution.models.parallel import TensorParallel, check_tensor
 from zipage.engine.execution.tp_workers import TensorParallelWorkers
 from zipage.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from zipage.engine.sequence import Sequence
-from zipage.engine.core.outputs import PromptTooLong, RequestOutput
+from zipage.engine.core.outputs import PromptTooLong, RequestOutput, UnknownRequest
 
 DEFAULT_MAX_MODEL_LEN = 32768
 EVENT_LOG_SIZE = 2000
@@ -506,6 +508,39 @@ class EngineCore:
             throughput=self.meter.rates(now), events=tuple(list(self.events)[-max_events:]),
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), totals=dict(self.totals),
             latency=self.latency.summary(self.has_work()))
+
+    def kept(self, request_id: int) -> KeptMap:
+        """Which token positions a live request's KV cache still holds, per layer and KV head, and why
+        (docs/design-notes.md, "What a request still holds"). Asked between steps: the one place the
+        positions are copied from the device. A compaction under way is waited for, and what it leaves
+        is described. UnknownRequest for an id that is not live (never submitted, or finished)."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            raise UnknownRequest(f"request {request_id} is unknown or has finished")
+        table, kv_len, compressions = seq.block_table, seq.kv_len, seq.times_compressed
+        compacted, protected = seq.num_scored, seq.protected
+        job = self.jobs.get(request_id)
+        if job is not None:  # its blocks are being rewritten: describe them as the compaction leaves them
+            if job.future is not None:
+                wait([job.future])
+            if job.error is not None:
+                raise RuntimeError(f"request {request_id}: its compression failed: {job.error}")
+            table, kv_len, compacted, protected = job.targets, job.keep, job.keep, job.kept
+            compressions += 1
+        hf = self.source.hf_config
+        if self.compressor is None:  # nothing is ever evicted: entry j holds position j
+            positions = torch.arange(kv_len, dtype=torch.int32)[None, :, None].expand(
+                self.runner.num_layers, kv_len, hf.num_key_value_heads)
+            choices = None
+        else:
+            bs = self.block_size
+            slots = [table[j // bs] * bs + j % bs for j in range(kv_len)]
+            positions, choices = self.runner.read_kept(slots)
+            if self.tp_workers is not None:  # every rank holds its own KV heads
+                positions, choices = self.tp_workers.gather_kept(slots, (positions, choices))
+        return kept_map(request_id, seq.num_computed_tokens, compressions, positions, choices,
+                        prompt_tokens=seq.num_prompt_tokens, sink_tokens=self.config.num_sink_tokens,
+                        compacted=compacted, protected=protected, by_recency=self.config.eviction == "recent")
 
     def _memory(self) -> MemoryInfo:
         device = self.runner.device

@@ -1,5 +1,6 @@
-"""What a request gives back after a step (`RequestOutput`), and the refusal of a prompt too long
-to run (`PromptTooLong`). Every front door hands callers these."""
+"""What a request gives back after a step (`RequestOutput`), the refusal of a prompt too long to run
+(`PromptTooLong`), and of a question about a request the engine does not hold (`UnknownRequest`).
+Every front door hands callers these."""
 
 from __future__ import annotations
 
@@ -29,3 +30,11 @@ class RequestOutput:
 class PromptTooLong(ValueError):
     """A prompt that cannot run here: it leaves no room for a generated token within max_model_len or
     the whole KV pool. (OpenAI's API calls this context_length_exceeded.)"""
+
+
+class UnknownRequest(KeyError):
+    """A request id the engine does not hold: never submitted there, or already finished. Every door's
+    `kept` raises it (the server answers 404)."""
+
+    def __str__(self) -> str:  # the message itself, not KeyError's quoted repr of it
+        return str(self.args[0]) if self.args else ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import os
 from dataclasses import dataclass
 
@@ -130,13 +132,43 @@ class ModelRunner:
                 and "paged_decode_attention" in kernels.TRITON_IMPLS):
             self.graphs = DecodeGraphs(self.model, self.device, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                                        self.max_blocks_per_seq, self.query_cache if self.compression else None)
+        if self.device.type == "cuda" and not tp.enabled:  # ranks would have to join its collectives
+            self._warm_up_eager_shapes()
+
+    @torch.inference_mode()
+    def _warm_up_eager_shapes(self) -> None:
+        """Run each kind of eager forward once before serving: prefills of a few, some and many
+        tokens (each its own attention tiling) and a mixed step, with and without the window-query
+        store, so no kernel is compiled on first use while requests stream (docs/design-notes.md,
+        "Scheduling"). Nothing is written: every slot is -1, and attention reads block 0 only."""
+        shapes = [(0, 8), (0, 64), (0, 128), (2, 64)]
+        stores = (False, True) if self.compression and self.query_cache.numel() else (False,)
+        for (decoders, chunk), store_queries in itertools.product(shapes, stores):
+            tokens = decoders + chunk
+            lens = [1] * decoders + [chunk]
+            width = -(-chunk // self.block_size)
+            fwd = ForwardBatch(
+                is_prefill=True, num_decode=decoders,
+                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+                block_tables=torch.zeros((len(lens), width), dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                cu_seqlens_q=torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
+                                          device=self.device))
+            if store_queries:  # the window-query store, writing nowhere
+                fwd.query_slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=self.device)
+                fwd.query_cache = list(self.query_cache.unbind(0))
+            ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model(ids, torch.zeros(tokens, dtype=torch.int64, device=self.device), fwd)
+            self.model.logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
 
     # -- memory ------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, plus its score cache under compression."""
+        """Bytes of one block across all layers: K and V, plus under compression its score cache and
+        each entry's position and ranking score (docs/design-notes.md, "What a request still holds")."""
         elem = torch.finfo(self.dtype).bits // 8
-        per_token = 2 * self.num_kv_heads * self.head_dim * elem + (4 * self.num_kv_heads if self.compression else 0)
+        per_token = 2 * self.num_kv_heads * self.head_dim * elem + (12 * self.num_kv_heads if self.compression else 0)
         return self.num_layers * self.block_size * per_token
 
     @property
@@ -146,13 +178,15 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of everything the pool holds: KV blocks, score cache and query slots."""
-        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache))
+        """Bytes of everything the pool holds: KV blocks, score cache, positions and query slots."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache,
+                                                           self.position_cache, self.choice_cache))
 
     def _allocate_pool(self) -> None:
-        """The KV blocks, and the compression state: queries of the observation window and each kept
-        entry's last score. A pool the device cannot hold (a num_kv_blocks or kv_cache_gb set too
-        large) is a ValueError that says so, not an allocator error."""
+        """The KV blocks, and the compression state: queries of the observation window, each kept
+        entry's last score, and each entry's token position and the score that ranked it when it was
+        kept (docs/design-notes.md, "What a request still holds"). A pool the device cannot hold (a
+        num_kv_blocks or kv_cache_gb set too large) is a ValueError that says so, not an allocator error."""
         blocks, slots = self.num_blocks, self.num_query_slots
         try:
             self.kv_cache = torch.zeros(
@@ -160,11 +194,12 @@ class ModelRunner:
                 dtype=self.dtype, device=self.device)
             self.query_cache = torch.zeros((self.num_layers, slots * self.window, self.num_heads, self.head_dim),
                                            dtype=self.dtype, device=self.device)
-            self.score_cache = torch.zeros(
-                (self.num_layers, blocks * self.block_size if self.compression else 0, self.num_kv_heads),
-                dtype=torch.float32, device=self.device)
+            entries = (self.num_layers, blocks * self.block_size if self.compression else 0, self.num_kv_heads)
+            self.score_cache = torch.zeros(entries, dtype=torch.float32, device=self.device)
+            self.position_cache = torch.zeros(entries, dtype=torch.int32, device=self.device)
+            self.choice_cache = torch.zeros(entries, dtype=torch.float32, device=self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
-            self.kv_cache = self.query_cache = self.score_cache = None
+            self.kv_cache = self.query_cache = self.score_cache = self.position_cache = self.choice_cache = None
             gib = (blocks * self.block_bytes + slots * self.query_slot_bytes) / (1 << 30)
             raise ValueError(f"the KV pool ({blocks} blocks, {gib:.3g} GiB) does not fit in {self.device.type} "
                              f"memory ({type(e).__name__} from the allocator); lower num_kv_blocks or "
@@ -174,7 +209,7 @@ class ModelRunner:
         """Drop the KV pool, the weights and the CUDA graphs, so their device memory returns now and
         not whenever the engine object is garbage-collected (a second engine sizes its pool then)."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.kv_cache = self.query_cache = self.score_cache = empty
+        self.kv_cache = self.query_cache = self.score_cache = self.position_cache = self.choice_cache = empty
         self.graphs = None
         self.model = None
         self.weight_bytes = 0
@@ -276,9 +311,15 @@ class ModelRunner:
         if not any_query:
             query_rows = []
         parts = [input_ids, positions, slots, context_lens, cu if batch.is_prefill else [], query_rows, tables]
-        # Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
-        packed = torch.tensor(input_ids + positions + slots + context_lens + parts[4] + query_rows + tables,
-                              dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # Every part starts 16-byte aligned: Triton compiles a kernel once per pointer alignment, so
+        # parts at shifting offsets would compile new variants mid-serve (docs/design-notes.md,
+        # "Scheduling"). Staged in pinned memory on CUDA, so the upload is one asynchronous copy.
+        flat = []
+        for part in parts:
+            flat += part
+            if len(part) % 2:
+                flat.append(0)
+        packed = torch.tensor(flat, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         header = dict(is_prefill=batch.is_prefill, num_decode=batch.num_decode, sizes=[len(p) for p in parts], width=width,
                       num_seqs=len(batch.seqs), any_query=any_query, sample_rows=sample_rows)
         return packed, header, sampling
@@ -290,7 +331,9 @@ class ModelRunner:
         of the upload (the decode graphs convert them while copying them in). `inputs_from`
         (rows, ids) puts ids still on the device into those rows of the input (an overlapped step)."""
         packed = packed.to(self.device, non_blocking=True)
-        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = packed.split(header["sizes"])
+        sizes = header["sizes"]
+        ids_t, pos_t, slots_t, ctx_t, cu_t, rows_t, tables_t = (
+            chunk[:n] for chunk, n in zip(packed.split([n + n % 2 for n in sizes]), sizes))
         if inputs_from is not None:
             rows, source = inputs_from
             ids_t.index_copy_(0, rows, source)
@@ -316,17 +359,37 @@ class ModelRunner:
         rows = header["sample_rows"]
         if (not header["is_prefill"] and self.graphs is not None
                 and self.graphs.fits(header["num_seqs"], header["width"])):
-            logits = self.graphs.run(*self.unpack(packed, header, int32=False, inputs_from=inputs_from))
+            input_ids, positions, fwd = self.unpack(packed, header, int32=False, inputs_from=inputs_from)
+            self._record_positions(fwd.slot_mapping, positions)
+            logits = self.graphs.run(input_ids, positions, fwd)
             if len(rows) < logits.shape[0]:
                 logits = logits[upload(rows, self.device)]
             return logits if rows else None
         input_ids, positions, fwd = self.unpack(packed, header, inputs_from=inputs_from)
+        self._record_positions(fwd.slot_mapping, positions)
         hidden = self.model(input_ids, positions, fwd)
         if not rows:
             return None
         if len(rows) < hidden.shape[0]:
             hidden = hidden[upload(rows, self.device)]
         return self.model.logits(hidden)
+
+    def _record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Each KV entry this forward writes takes its token position, in every layer and head, where
+        compaction later moves it with its entry (docs/design-notes.md, "What a request still holds").
+        Queued on the device with the forward: no copy to the host, no sync."""
+        table = self.position_cache
+        if table is None or table.numel() == 0 or slots.numel() == 0:
+            return
+        layers, _, heads = table.shape
+        table.index_copy_(1, slots, positions.to(torch.int32)[None, :, None].expand(layers, -1, heads))
+
+    @torch.inference_mode()
+    def read_kept(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, ranking scores) of these cache slots on this rank's heads, each [layers,
+        len(slots), kv_heads], on the host: the only copy of them from the device, made on demand."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self.position_cache[:, index].cpu(), self.choice_cache[:, index].cpu()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:

@@ -98,6 +98,15 @@ class TensorParallelWorkers:
             raise RuntimeError(f"tensor-parallel worker {', '.join(dead)} has stopped; restart the engine")
         dist.broadcast_object_list([command], src=0, group=self.control)
 
+    def gather_kept(self, slots: list[int], mine: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, ranking scores) of these slots over every rank's KV heads, in head order: rank 0's
+        own `mine` and each other rank's answer to a "kept" command (ModelRunner.read_kept)."""
+        self.send("kept", slots)
+        parts = [None] * self.size
+        dist.gather_object(mine, parts, dst=0, group=self.control)
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -143,6 +152,8 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_sp
                 runner.forward_packed(*args)
             elif op == "compress":
                 compressor.run_work(**args[0])  # in command order: done before any later forward
+            elif op == "kept":  # this rank's heads of a request's positions, for rank 0 (gather_kept)
+                dist.gather_object(runner.read_kept(*args), None, dst=0, group=control)
             elif op == "exit":
                 break
             else:

@@ -182,10 +182,13 @@ class Compressor:
         token_slots = table[:, None] * bs + torch.arange(bs, device=table.device)[None, :]
         token_slots = token_slots.flatten()[:kv_len]  # slot of each scored entry
         scale = runner.head_dim ** -0.5
+        # Each entry's position moves with it, and each kept entry records the score that ranked it
+        # (docs/design-notes.md, "What a request still holds").
         for layer in range(runner.num_layers):
             k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+            tables = (runner.position_cache[layer], runner.choice_cache[layer])
             if cfg.eviction != "score":
-                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst, kept, keep)
+                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst, kept, keep, tables)
                 continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
             attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale)
@@ -202,7 +205,7 @@ class Compressor:
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
             chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)  # [kv_heads, keep], ascending
             kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[chosen], dst,
-                               attention.gather(1, chosen))
+                               attention.gather(1, chosen), *tables, final.gather(1, chosen))
 
     def _protect(self, final: torch.Tensor, kv_len: int, kept: torch.Tensor) -> torch.Tensor:
         """Entries a compression always keeps: kept = [leading, newest] counts (`protected`), read on
@@ -221,22 +224,23 @@ class Compressor:
         for first in (True, False):
             self.graphs[(self.geometry.budget_tokens, first)] = CompressionGraph(self, first)
 
-    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst, kept, keep) -> None:
-        """The comparison policies at the same budget: random eviction, or sinks + most recent."""
+    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst, kept, keep, tables) -> None:
+        """The comparison policies at the same budget: random eviction, or sinks + most recent.
+        `tables`: this layer's (position, choice) tables."""
         kv_heads = k_cache.shape[2]
         if self.config.eviction == "random":
             final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
             final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
         chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)
-        kernels.compact_kv(k_cache, v_cache, None, token_slots[chosen], dst, None)
+        kernels.compact_kv(k_cache, v_cache, None, token_slots[chosen], dst, None, *tables, final.gather(1, chosen))
 
     # -- landing (engine thread) ---------------------------------------------------------
     def apply(self, job: CompressionJob) -> None:
         seq = job.seq
         for block_id in job.release:
             self.blocks.release_block(block_id)
-        seq.land_compression(job.targets + [job.decode_block], kept=job.keep)
+        seq.land_compression(job.targets + [job.decode_block], kept=job.keep, protected=job.kept)
 
 
 class CompressionGraph:

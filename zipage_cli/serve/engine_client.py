@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from zipage.engine.config import SamplingParams
 from zipage.engine.core.outputs import PromptTooLong, RequestOutput
 from zipage.engine.events import EngineSnapshot
+from zipage.engine.kv.kept import KeptMap
 from zipage.engine.api.process import EngineGone, EngineProcess, Turn
-from zipage.engine.api.protocol import Abort, Submit, TakeSnapshot
+from zipage.engine.api.protocol import Abort, Submit, TakeKept, TakeSnapshot
 from zipage.engine.api.request_stream import RequestStream
 from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, Subscribers
 
@@ -64,6 +65,7 @@ class EngineClient:
         self._submits: dict[int, tuple[asyncio.Future, SamplingParams, str | None]] = {}
         self._feeds: dict[int, Feed] = {}
         self._snapshot_waiters: dict[int, asyncio.Future] = {}
+        self._kept_waiters: dict[int, asyncio.Future] = {}
         self._snapshot = process.first_snapshot
         self._snapshot_time = 0.0
         self._subscribers = Subscribers()
@@ -152,6 +154,20 @@ class EngineClient:
             return self._snapshot
         return await waiter
 
+    async def kept(self, request_id: int) -> KeptMap:
+        """Which positions a running request's KV cache still holds, and why, taken between two engine
+        steps. UnknownRequest for a request the engine does not hold; EngineGone without an engine."""
+        self._check_alive()
+        key = next(self._keys)
+        waiter = self._loop.create_future()
+        self._kept_waiters[key] = waiter
+        try:
+            self.process.send(TakeKept(request_id, key))
+        except EngineGone:
+            del self._kept_waiters[key]
+            raise
+        return await waiter
+
     @property
     def last_snapshot(self) -> EngineSnapshot:
         """The newest snapshot the engine has sent, without asking for one."""
@@ -207,6 +223,13 @@ class EngineClient:
                 waiter = self._snapshot_waiters.pop(key, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(self._snapshot)
+        for key, answer in turn.kept:
+            waiter = self._kept_waiters.pop(key, None)
+            if waiter is not None and not waiter.done():
+                if isinstance(answer, Exception):
+                    waiter.set_exception(answer)
+                else:
+                    waiter.set_result(answer)
 
     def _fail(self, reason: str) -> None:
         """The engine is gone: every request ends with an error, every waiter is answered."""
@@ -230,3 +253,7 @@ class EngineClient:
             if not waiter.done():
                 waiter.set_result(self._snapshot)
         self._snapshot_waiters.clear()
+        for waiter in self._kept_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineGone(reason))
+        self._kept_waiters.clear()

@@ -17,9 +17,10 @@ from dataclasses import fields
 import httpx
 
 from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.core.outputs import PromptTooLong, RequestOutput
+from zipage.engine.core.outputs import PromptTooLong, RequestOutput, UnknownRequest
 from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
 from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, RequestHandle, Subscribers
+from zipage.engine.kv.kept import KeptMap
 from zipage.cli.serve.openai_protocol import CONTEXT_LENGTH_EXCEEDED
 from zipage.cli.serve.server import REQUEST_ID_HEADER
 
@@ -151,6 +152,25 @@ class RemoteEngine:
 
             self._snapshot = self._call(fetch())
         return self._snapshot
+
+    def kept(self, handle: RemoteHandle | int) -> KeptMap:
+        """What a running request's KV cache still holds, and why, from /zipage/requests/{id}/kept.
+        UnknownRequest when the server answers 404 (a request its engine does not hold)."""
+        request_id = handle.id if isinstance(handle, RequestHandle) else int(handle)
+
+        async def fetch() -> httpx.Response:
+            return await self._client.get(f"/zipage/requests/{request_id}/kept", timeout=CONNECT_TIMEOUT_S)
+
+        try:
+            response = self._call(fetch())
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"cannot reach the server at {self.url}: {_describe(e)}") from None
+        if response.status_code == 404:
+            raise UnknownRequest(_error_message(response))
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.url} answered {response.status_code} for request {request_id}'s kept "
+                               f"positions: {_error_message(response)}")
+        return KeptMap.from_dict(response.json())
 
     def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> EventQueue:
         return self._subscribers.subscribe(maxsize)

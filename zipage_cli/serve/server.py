@@ -3,10 +3,10 @@
 The engine runs in a child process (engine/api/process.py); this process holds HTTP, tokenizing and
 detokenizing, and its event loop receives every request's new tokens once per engine step
 (engine_client.py). A client that goes away aborts its request, which frees its blocks.
-`/zipage/snapshot`, `/zipage/config` and `/zipage/events` carry what the console panes draw, for
-`zipage top|chat --attach`. What a client may send or hold (body size, content type, CORS origins,
-timeouts, connections), the graceful shutdown and the health rules are `ServeLimits`, described in
-docs/serving.md.
+`/zipage/snapshot`, `/zipage/config`, `/zipage/events` and `/zipage/requests/{id}/kept` carry what the
+console panes draw, for `zipage top|chat --attach`. What a client may send or hold (body size, content
+type, CORS origins, timeouts, connections), the graceful shutdown and the health rules are
+`ServeLimits`, described in docs/serving.md.
 
 This module is the app and its routes. The guards in front of it and `ServeLimits` are guards.py, what
 the endpoints share while the server runs is serving.py, and running it on uvicorn (`serve`) is
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from zipage.engine.core.outputs import RequestOutput
+from zipage.engine.core.outputs import RequestOutput, UnknownRequest
 from zipage.engine.events import event_to_dict, snapshot_to_dict
 from zipage.engine.api.process import EngineGone
 from zipage.cli.serve import openai_protocol as api
@@ -217,7 +217,8 @@ async def stream_reply(generation: Generation, reply: api.Reply, include_usage: 
 
 
 class ObservationEndpoints:
-    """/health, /metrics and what the console panes draw: /zipage/snapshot, /zipage/config, /zipage/events."""
+    """/health, /metrics and what the console panes draw: /zipage/snapshot, /zipage/config, /zipage/events,
+    and which positions a request's KV cache still holds: /zipage/requests/{id}/kept."""
 
     def __init__(self, serving: Serving):
         self.serving = serving
@@ -230,6 +231,7 @@ class ObservationEndpoints:
             Route("/zipage/snapshot", self.snapshot),
             Route("/zipage/config", self.config),
             Route("/zipage/events", self.events),
+            Route("/zipage/requests/{request_id:int}/kept", self.kept),
         ]
 
     async def health(self, request: Request) -> Response:
@@ -262,6 +264,19 @@ class ObservationEndpoints:
         snap = await self.engine.snapshot(fresh=request.query_params.get("fresh") in ("1", "true"))
         self.serving.snapshots.adopt(snap)
         return JSONResponse(snapshot_to_dict(snap))
+
+    async def kept(self, request: Request) -> Response:
+        """KeptMap.to_dict() of a running request, by the engine's id (the snapshot's and the
+        x-zipage-request-id header's); 404 for one the engine does not hold (docs/serving.md)."""
+        request_id = request.path_params["request_id"]
+        try:
+            kept = await self.engine.kept(request_id)
+        except UnknownRequest as e:
+            raise api.ApiError(404, str(e), code="request_not_found") from None
+        except EngineGone as e:
+            raise api.ApiError(503, f"the engine is not running: {e}", code="engine_unavailable",
+                               kind="server_error") from None
+        return JSONResponse(kept.to_dict())
 
     async def config(self, request: Request) -> Response:
         return JSONResponse(asdict(self.engine.config))

@@ -39,8 +39,15 @@ class ForwardBatch:
     query_cache: list[torch.Tensor] = field(default_factory=list)  # per layer [slots * window, q_heads, dim]
 
     def __post_init__(self):
-        # The chunks' own offsets, made once per forward rather than in every layer.
-        self.chunk_cu_seqlens = self.cu_seqlens_q[self.num_decode:] - self.num_decode if self.num_decode else None
+        # The chunks' own offsets, tables and lengths, made once per forward rather than in every
+        # layer, as fresh tensors: a view at offset num_decode would change the pointers' alignment
+        # from step to step, and Triton compiles a variant per alignment.
+        self.chunk_cu_seqlens = self.chunk_block_tables = self.chunk_context_lens = None
+        if self.num_decode:
+            nd = self.num_decode
+            self.chunk_cu_seqlens = self.cu_seqlens_q[nd:] - nd
+            self.chunk_block_tables = self.block_tables[nd:].clone()
+            self.chunk_context_lens = self.context_lens[nd:].clone()
 
 
 class Linear(nn.Linear):
@@ -184,8 +191,8 @@ class Attention(nn.Module):
             out = torch.cat([
                 kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, batch.block_tables[:nd],
                                                batch.context_lens[:nd], self.scale),
-                kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.block_tables[nd:],
-                                          batch.chunk_cu_seqlens, batch.context_lens[nd:], self.scale)])
+                kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.chunk_block_tables,
+                                          batch.chunk_cu_seqlens, batch.chunk_context_lens, self.scale)])
         elif batch.is_prefill:
             out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                             batch.cu_seqlens_q, batch.context_lens, self.scale)
