@@ -136,6 +136,37 @@ def test_top_attached_draws_a_running_servers_requests(server, remote):
     wait_until_idle(server)
 
 
+def test_top_attached_shows_what_a_servers_request_still_holds(server, remote):
+    """The kept view asks the server (/zipage/requests/{id}/kept); without the token ids, each position
+    is drawn as a cell, and the view says why."""
+    from zipage.cli.console.kept_view import KeptScreen
+
+    async def run():
+        app = TopApp(remote, None)
+        async with app.run_test(size=(120, 36)) as pilot:
+            stream = LongStream(server, "watched")
+            assert stream.started.wait(DEADLINE_S)
+            try:
+                await until(pilot, lambda: any(r.id == stream.id and r.times_compressed
+                                               for r in remote.snapshot().requests), "a compression")
+                await until(pilot, lambda: app.selected == stream.id, "the request's row")
+                await pilot.press("k")
+                await until(pilot, lambda: isinstance(app.screen, KeptScreen) and app.screen.holding is not None,
+                            "the kept view")
+                holding = app.screen.holding
+                assert holding.map.compressions >= 1 and holding.map.num_layers == 2
+                assert holding.note and "no token ids" in holding.note
+                assert all(p is None for p in holding.pieces)
+                assert "held by" in str(app.screen.reasons.render())
+                await pilot.press("escape")
+                assert not isinstance(app.screen, KeptScreen)
+            finally:
+                stream.stop()
+
+    asyncio.run(run())
+    wait_until_idle(server)
+
+
 def test_chat_attached_answers_through_the_server(server, remote):
     with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as client:
         expected = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],

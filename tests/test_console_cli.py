@@ -274,3 +274,15 @@ def test_generate_says_when_an_answer_is_cut_by_the_pool():
                             capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "cut short" in result.stderr and "KV pool" in result.stderr
+
+
+def test_interactive_commands_take_shorter_steps_unless_told():
+    """chat, top and serve give a step fewer tokens and a CPU step a time target; a user's own
+    choice of either stands."""
+    from zipage.cli.main import INTERACTIVE_STEP_TOKENS, interactive
+
+    knobs = interactive({"model": "m"})
+    assert knobs["max_num_batched_tokens"] == INTERACTIVE_STEP_TOKENS < 4096
+    assert knobs["cpu_step_target_ms"] > 0 and knobs["model"] == "m"
+    mine = interactive({"max_num_batched_tokens": 8192, "cpu_step_target_ms": 100})
+    assert (mine["max_num_batched_tokens"], mine["cpu_step_target_ms"]) == (8192, 100)

@@ -71,6 +71,16 @@ _PALETTES = {
     "user_bg":            ("#1a2119",       "#eef7ef",       "#000000"),
     "settings_fg":        ("#6b7489",       "#6c7486",       "#ffff00"),
     "backdrop":           ("#0f1218 60%",   "#eef0f5 60%",   "#000000 80%"),
+    # The kept view: a token held by no (layer, KV head) pair, by under half, by half or more, by all.
+    # High contrast shades by style as well (strike, underline, plain, bold), so it reads without colour.
+    "kept_gone":          ("#565f89",       "#9aa1b3",       "#808080"),
+    "kept_gone_style":    ("strike",        "strike",        "strike"),
+    "kept_partly":        ("#f7768e",       "#c0392b",       "#ff8000"),
+    "kept_partly_style":  ("none",          "none",          "underline"),
+    "kept_mostly":        ("#e0af68",       "#9a6a00",       "#ffff00"),
+    "kept_mostly_style":  ("none",          "none",          "none"),
+    "kept_all":           ("#d5dae5",       "#222834",       "#ffffff"),
+    "kept_all_style":     ("none",          "none",          "bold"),
 }
 
 

@@ -206,14 +206,17 @@ def _engine_process(engine_kwargs: dict):
 
 
 # Interactive commands (chat, top, serve) keep a CPU step near this long while a prompt is prefilled,
-# so the other streams keep coming (docs/design-notes.md, "Scheduling"); one-shot generate does not.
+# and give a step half the tokens a batch run does: a long prompt then pauses the other streams half
+# as long for the same time to its first token (docs/design-notes.md, "Scheduling"); one-shot
+# generate and bench keep the engine's defaults.
 INTERACTIVE_CPU_STEP_MS = 250
+INTERACTIVE_STEP_TOKENS = 2048
 
 
 def interactive(engine_kwargs: dict) -> dict:
-    """The knobs of an engine that serves people as they watch: prefill chunks sized by time on the CPU
-    unless the user chose otherwise."""
-    return {"cpu_step_target_ms": INTERACTIVE_CPU_STEP_MS, **engine_kwargs}
+    """The knobs of an engine that serves people as they watch, unless the user chose otherwise."""
+    return {"cpu_step_target_ms": INTERACTIVE_CPU_STEP_MS, "max_num_batched_tokens": INTERACTIVE_STEP_TOKENS,
+            **engine_kwargs}
 
 
 def _load_engine(engine_kwargs: dict, start=None):
@@ -289,7 +292,8 @@ def _check_theme(theme: str) -> None:
                     "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
                     "  zipage chat --attach http://127.0.0.1:8000   (chat with a running zipage serve)\n\n"
                     "Keys: Ctrl+N new session, Alt+W close, Alt+←/→ switch, ↑/↓ earlier messages, "
-                    "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), Ctrl+T theme, F1 help, Ctrl+Q quit.")
+                    "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), F3 or Alt+K what the "
+                    "answer's KV still holds, Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
 def chat(
     plain: bool = typer.Option(False, "--plain", metavar="", help="Line-mode chat instead of the full-screen app (also used when "
@@ -352,8 +356,8 @@ def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperatur
                     "  zipage top --teach --num-kv-blocks 64 --block-size 16 --window 8\n\n"
                     "  zipage top --prompts questions.jsonl   (one {\"prompt\": \"...\"} per line)\n\n"
                     "  zipage top --attach http://127.0.0.1:8000   (watch a running zipage serve)\n\n"
-                    "Keys: t teaching mode (pause), space one step, ↑/↓ select a request, Ctrl+T theme, "
-                    "F1 help, q quit.")
+                    "Keys: t teaching mode (pause), space one step, ↑/↓ select a request, k what its KV still "
+                    "holds, Ctrl+T theme, F1 help, q quit.")
 @engine_options
 def top(
     concurrency: int = typer.Option(8, min=1, help="Requests kept in flight."),

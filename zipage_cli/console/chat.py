@@ -23,6 +23,8 @@ from zipage.engine.api.protocol import FrontDoor
 from zipage.cli.console.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.console.themes import ThemedApp, theme_names
 from zipage.cli.console.history_input import HistoryInput
+from zipage.cli.console.kept_source import Holding, TokenBook, can_ask, prompt_tokens_of, take
+from zipage.cli.console.kept_view import KEPT_HELP, KEPT_TERMS, KeptScreen
 from zipage.cli.console.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, SidePanes, drain,
                                         printable, session_name_widget_id)
 
@@ -42,6 +44,8 @@ class Session:
     conv: Conversation
     view: VerticalScroll  # the transcript
     handle: RequestHandle | None = None
+    last_request: int | None = None  # the latest answer's request, for the kept view
+    kept: Holding | None = None  # what the kept view last showed of it (its KV is freed once it ends)
     busy: bool = False
     stop_requested: bool = False
 
@@ -106,6 +110,8 @@ class ChatApp(SidePanes, ThemedApp):
                 tooltip="Stop the running answer; with none running, press twice to quit"),
         ThemedApp.THEME_BINDING,
         SidePanes.SIDE_BINDING,
+        # F3 works in every terminal; Alt+K arrives as ESC k where Alt is not a modifier (tmux).
+        Binding("f3,alt+k", "kept", "Kept", tooltip=KEPT_HELP + " (the latest answer of this session)"),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
@@ -116,6 +122,7 @@ class ChatApp(SidePanes, ThemedApp):
         calls it in a worker thread, showing progress while the model loads."""
         super().__init__(theme_name)
         self.engine: FrontDoor | None = None
+        self.book: TokenBook | None = None  # the token ids of this app's requests, for the kept view
         self.start_engine = engine if callable(engine) else None
         self.model_name = model_name
         self.load_started = time.monotonic()
@@ -131,11 +138,13 @@ class ChatApp(SidePanes, ThemedApp):
 
     def engine_ready(self, engine: FrontDoor) -> None:
         self.engine = engine
+        self.book = TokenBook(engine)
         self.events = engine.subscribe()
         self.sub_title = f"{engine.config.model} · {engine.snapshot().device}"
         if self.is_running:  # loaded by the worker, after the first draw
             self.tabs.loading = False
             self.show_settings()
+            self.refresh_bindings()  # the kept view's key shows once the engine can answer it
 
     def load_engine(self) -> None:
         """Worker thread: start the engine; a bad model or knob ends the app with its message."""
@@ -348,7 +357,7 @@ class ChatApp(SidePanes, ThemedApp):
     def action_help(self) -> None:
         notes = ("Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
                  + "\n\nThe side panes: each request's KV blocks (glyph = role), throughput, the pool and "
-                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS)
+                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS)
         keys = self.BINDINGS[:-1] + HistoryInput.BINDINGS + self.BINDINGS[-1:]  # ↑/↓ belong to the message box
         self.push_screen(HelpScreen("Zipage chat: keys", keys, notes))
 
@@ -371,12 +380,12 @@ class ChatApp(SidePanes, ThemedApp):
     def stream(self, session: Session, prompt: str, reply: Message) -> None:
         """Worker thread: submit, then push the growing text to the UI a few dozen times a second."""
         try:
-            handle = self.engine.submit(session.conv.messages_for(prompt), session.conv.params(),
-                                        session=session.conv.name)
+            handle = self.book.submit(session.conv.messages_for(prompt), session.conv.params(),
+                                      session=session.conv.name)
         except (ValueError, RuntimeError) as e:
             self.call_from_thread(self.finish, session, prompt, reply, None, session.conv.refusal(e), time.monotonic(), "")
             return
-        session.handle = handle
+        session.handle, session.last_request = handle, handle.id
         if session.stop_requested:  # Esc arrived while the submit was in flight
             self.engine.abort(handle)
         text, drawn = "", 0.0
@@ -421,14 +430,39 @@ class ChatApp(SidePanes, ThemedApp):
             reply.set_text(note)
             reply.set_classes("msg msg-error")
 
+    # -- the kept view -------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """The kept view's key shows (and works) only with an engine that answers the kept query."""
+        if action == "kept":
+            return self.engine is not None and can_ask(self.engine)
+        return True
+
+    def action_kept(self) -> None:
+        session = self.current
+        if session is None or session.last_request is None:
+            self.notify("ask something first: the view shows what an answer's request still holds", timeout=3)
+            return
+        request = session.last_request
+        engine, book = self.engine, self.book
+
+        def closed(holding: Holding | None) -> None:
+            session.kept = holding or session.kept
+
+        self.push_screen(KeptScreen(request, f"#{request} ({session.conv.name})",
+                                    lambda: take(engine, book, request, prompt_tokens_of(engine, request)),
+                                    last=session.kept), closed)
+
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
         if self.engine is None:
             self.show_settings()  # the loading time ticks
             return
         snapshot = self.engine.snapshot()
+        events = drain(self.events)
+        if isinstance(self.screen, KeptScreen):
+            self.screen.engine_events(events)
         self.block_table.show(snapshot)
-        self.panes.show(snapshot, drain(self.events))
+        self.panes.show(snapshot, events)
         running = sum(1 for s in self.sessions.values() if s.busy)
         count = len(self.sessions)
         problem = self.connection_problem(self.engine)

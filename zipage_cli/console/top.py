@@ -28,6 +28,8 @@ from zipage.engine.config import SamplingParams
 from zipage.engine.events import (Aborted, Admitted, Compressed, EngineSnapshot, Event, Failed, Finished, Preempted,
                                   Prefilled, RequestInfo)
 from zipage.engine.api.protocol import FrontDoor
+from zipage.cli.console.kept_source import MapMemory, TokenBook, prompt_tokens_of, take
+from zipage.cli.console.kept_view import KEPT_HELP, KEPT_TERMS, KeptScreen
 from zipage.cli.console.themes import ThemedApp
 from zipage.cli.console.widgets import (PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, budget_cell, describe_event,
                                         drain)
@@ -106,6 +108,7 @@ class LoadGenerator:
                  rate: float | None = None):
         self.engine, self.prompts, self.params = engine, prompts, params
         self.concurrency, self.rate = concurrency, rate
+        self.book = TokenBook(engine)  # the requests' token ids, for the kept view
         self.submitted = 0
         self.error: str | None = None
         self.stop = threading.Event()
@@ -131,7 +134,7 @@ class LoadGenerator:
             if self.rate:
                 next_at = time.monotonic() + 1.0 / self.rate
             try:
-                in_flight.append(self.engine.submit(prompt, self.params, session=f"load-{self.submitted}"))
+                in_flight.append(self.book.submit(prompt, self.params, session=f"load-{self.submitted}"))
             except (ValueError, RuntimeError) as e:
                 self.error = str(e)
                 return
@@ -140,9 +143,12 @@ class LoadGenerator:
 
 # -- teaching notes ----------------------------------------------------------------------
 def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Event],
-                 selected: int | None, last_compression: dict[int, Event] | None = None) -> list[str]:
+                 selected: int | None, last_compression: dict[int, Event] | None = None,
+                 dropped: dict[int, str] | None = None) -> list[str]:
     """Plain-words account of one engine step: what ran, then what happened to `selected`
-    (with its latest compression, from `last_compression`, when this step did not compress it)."""
+    (with its latest compression, from `last_compression`, when this step did not compress it, and the
+    tokens that compression dropped, from `dropped`)."""
+    dropped = dropped or {}
     old = {r.id: r for r in before.requests}
     new = {r.id: r for r in after.requests}
     kinds = Counter(e.kind for e in events)
@@ -170,11 +176,14 @@ def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Eve
     if target is not None:
         mine = [e for e in events if e.request == target]
         lines.append("")
-        lines += explain_request(target, old.get(target), new.get(target), mine, pool.block_size)
+        lines += explain_request(target, old.get(target), new.get(target), mine, pool.block_size,
+                                 dropped.get(target))
         earlier = (last_compression or {}).get(target)
         if earlier is not None and not any(e.kind == "compressed" for e in mine) and target in new:
             lines.append(f"#{target}'s latest compression (its {_nth(earlier.times)}): " + compression_words(earlier))
             lines.append("   " + compression_reason(target, earlier))
+            if dropped.get(target):
+                lines.append("   " + dropped[target])
     others = [e for e in events if e.request != target]
     if others:
         lines.append("")
@@ -185,7 +194,7 @@ def explain_step(before: EngineSnapshot, after: EngineSnapshot, events: list[Eve
 
 
 def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | None, events: list[Event],
-                    block_size: int) -> list[str]:
+                    block_size: int, dropped: str | None = None) -> list[str]:
     lines = []
     for e in events:
         match e:
@@ -201,6 +210,8 @@ def explain_request(rid: int, before: RequestInfo | None, after: RequestInfo | N
                 decode = [b for b, role in zip(held, after.block_roles) if role == "decode"] if after else []
                 lines.append(f"#{rid} was compressed this step: " + compression_words(e))
                 lines.append("   " + compression_reason(rid, e))
+                if dropped:
+                    lines.append("   " + dropped)
                 if targets:
                     lines.append(f"   Blocks {_ids(targets)} now hold the kept tokens (compression targets)"
                                  + (f"; block {_ids(decode)} takes the next tokens." if decode else "."))
@@ -311,6 +322,7 @@ class TopApp(SidePanes, ThemedApp):
         Binding("f1,question_mark", "help", "Help", tooltip="Show keys and what the panes mean"),
         Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
         Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
+        Binding("k,f3", "kept", "Kept", tooltip=KEPT_HELP),
         Binding("w", "latency_window", "Window", tooltip="Latency pane: switch between the 5, 15 and 60 s windows"),
         SidePanes.SIDE_BINDING,
         ThemedApp.THEME_BINDING,
@@ -318,15 +330,22 @@ class TopApp(SidePanes, ThemedApp):
     ]
 
     def __init__(self, engine: FrontDoor, load: LoadGenerator | None = None, theme_name: str = "dark",
-                 teach: bool = False):
+                 teach: bool = False, book: TokenBook | None = None):
+        """`book`: the token ids of requests submitted elsewhere in this process (the load's by default),
+        so the kept view and the teaching notes can show their text."""
         super().__init__(theme_name)
         self.engine, self.load = engine, load
+        self.book = book or (load.book if load is not None else TokenBook(engine))
         self.start_teaching = teach
         self.events: queue.Queue = engine.subscribe()
         self.teach_events: queue.Queue | None = None
         self.stepping = False
         self.last_step: tuple | None = None  # (before, after, events) of the latest taught step
         self.last_compression: dict[int, Event] = {}  # request id -> its latest compression event
+        # Teaching mode: kept maps taken around its steps, and what each request's latest compression
+        # dropped, in words (None where it cannot say).
+        self.memory = MapMemory(engine, self.book)
+        self.dropped: dict[int, str | None] = {}
 
     def compose(self) -> ComposeResult:
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
@@ -382,6 +401,8 @@ class TopApp(SidePanes, ThemedApp):
         self.show_requests(snapshot)
         self.pool.show(snapshot, self.selected)
         events = drain(self.events)
+        if isinstance(self.screen, KeptScreen):
+            self.screen.engine_events(events)
         self.last_compression.update((e.request, e) for e in events if e.kind == "compressed")
         self.panes.show(snapshot, events)
         self.event_log.select(self.selected)
@@ -441,9 +462,14 @@ class TopApp(SidePanes, ThemedApp):
         """Worker thread: one engine step, bracketed by snapshots, then its explanation."""
         try:
             before = self.engine.snapshot(fresh=True)
+            if selected is not None:
+                self.memory.remember(selected)  # what it holds before the step, to name what a compression drops
             drain(self.teach_events)  # events from before this step
             after = self.engine.step_once()
             events = drain(self.teach_events)
+            for e in events:
+                if e.kind == "compressed":
+                    self.dropped[e.request] = self.memory.dropped(e)
         finally:
             self.stepping = False
         self.call_from_thread(self.show_step, (before, after, events))
@@ -459,11 +485,12 @@ class TopApp(SidePanes, ThemedApp):
         if self.last_step is None:
             return
         before, after, events = self.last_step
-        lines = explain_step(before, after, events, self.selected, self.last_compression)
+        lines = explain_step(before, after, events, self.selected, self.last_compression, self.dropped)
         text = Text()
         for i, line in enumerate(lines):
             text.append(line + "\n", "bold" if i == 0 else "")
-        text.append("space: next step · ↑/↓: follow another request · t: run freely", "italic")
+        text.append("space: next step · ↑/↓: follow another request · k: what it still holds · t: run freely",
+                    "italic")
         self.explain.update(text)
 
     def on_data_table_row_highlighted(self) -> None:
@@ -471,6 +498,20 @@ class TopApp(SidePanes, ThemedApp):
         self.explain_selected()
         self.pool.show(self.engine.snapshot(), self.selected)
         self.event_log.select(self.selected)
+
+    # -- the kept view -------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """The kept view's key shows (and works) only with an engine that answers the kept query."""
+        return self.memory.can_ask if action == "kept" else True
+
+    def action_kept(self) -> None:
+        request = self.selected
+        if request is None:
+            self.notify("no request to show: select one in the table", timeout=3)
+            return
+        engine, book = self.engine, self.book
+        self.push_screen(KeptScreen(request, f"#{request}",
+                                    lambda: take(engine, book, request, prompt_tokens_of(engine, request))))
 
     # -- layout --------------------------------------------------------------------
     def action_latency_window(self) -> None:
@@ -480,9 +521,9 @@ class TopApp(SidePanes, ThemedApp):
         notes = ("Teaching mode pauses the engine; each step key runs exactly one engine step (normally one "
                  "forward pass) and explains it for the selected request: admission, prefill, which block and slot "
                  "a decoded token went to, new blocks, compressions (blocks before/after, tokens evicted), "
-                 "preemptions and finishes.\n\nThe block pool map draws every KV block: colour = owning "
+                 "preemptions and finishes, naming the tokens a compression dropped.\n\nThe block pool map draws every KV block: colour = owning "
                  "request (underlined or reversed once colours run out), glyph = role; dim dots are free blocks, "
-                 "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS)
+                 "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS)
         # ↑/↓ belong to the requests table.
         select = Binding("up,down", "noop", tooltip="Select another request; teaching mode explains it")
         self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS[:3] + [select] + self.BINDINGS[3:], notes))

@@ -28,6 +28,9 @@ SHARED = [
     ("device", str, "cpu", "cpu or cuda."),
     ("threads", int, 1, "CPU threads for torch (1 is fastest on a busy shared CPU)."),
     ("json_path", str, None, "Write the results here as JSON, rewritten as each cell finishes."),
+    ("trace", str, None, "Write into this folder, for each sample of each compressed run, an SVG of what its "
+                         "KV cache held after each compression (one row per compression, colour = share of "
+                         "layers and heads holding each token)."),
 ]
 
 
@@ -61,11 +64,13 @@ def run_task(module, shared: dict, **task_options) -> None:
 
     try:
         ec.check_count("threads", shared["threads"])
+        ec.check_trace_folder(shared["trace"])
         torch.set_num_threads(shared["threads"])
         kwargs = dict(model=shared["model"], split=shared["split"], budgets=ec.parse_budgets(shared["budgets"]),
                       configurations=ec.parse_configurations(shared["configurations"]),
                       settings=ec.parse_settings(shared["settings"]), block_size=shared["block_size"],
-                      window=shared["window"], device=shared["device"], json_path=shared["json_path"])
+                      window=shared["window"], device=shared["device"], json_path=shared["json_path"],
+                      trace=shared["trace"])
         with ec.Progress(True) as bars:
             results = module.run(**kwargs, **task_options, progress=bars)
     except ValueError as e:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zipage.engine.config import EngineConfig, SamplingParams
+from zipage.cli.eval.trace import Tracer, TraceTo, write_group
 
 if TYPE_CHECKING:  # torch and the engine load when a task runs, not when the command line starts
     from zipage.engine.core.engine_core import EngineCore
@@ -134,6 +135,18 @@ def check_count(name: str, value: int, low: int = 1, high: int | None = None) ->
         raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be an integer {bound}")
 
 
+def check_trace_folder(folder: str | None) -> None:
+    """Make --trace's folder now, so a run never ends unable to draw what it measured."""
+    if folder is None:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--trace {folder}: cannot make the folder ({e.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--trace {folder}: not writable")
+
+
 def split_indices(count: int, split: str, seed: int = 0) -> list[int]:
     """A seeded, disjoint halving of `count` fixed items: the selection half tunes, the report half reports."""
     if split not in SPLITS:
@@ -181,16 +194,21 @@ def make_engine(source, block_size: int, budget_blocks: int | None, window: int,
     return EngineCore(config, source=source)
 
 
-def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=None) -> list[list[int]]:
+def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=None,
+          on_compressed=None) -> list[list[int]]:
     """Run the requests to completion, greedy after their forced tokens; observer(i, seq, logits) sees
-    every sampled step of request i, and on_step(n) the tokens each step made. Returns each request's
-    output tokens."""
+    every sampled step of request i, on_step(n) the tokens each step made, and on_compressed(i, seq) each
+    compression of request i, right after the step that landed it (while the request still runs).
+    Returns each request's output tokens."""
     index: dict[int, int] = {}
+    seqs = []
     for i, req in enumerate(requests):
         n = len(req.forced) + req.free_tokens
         seq = engine.add_request(req.prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                                  forced_tokens=req.forced)
         index[seq.id] = i
+        seqs.append(seq)
+    seen = [0] * len(seqs)  # compressions already reported
     if observer is not None:
         engine.observe_logits(lambda seq, logits: observer(index[seq.id], seq, logits))
     outputs: list[list[int]] = [[] for _ in requests]
@@ -200,6 +218,11 @@ def drive(engine: EngineCore, requests: list[Request], observer=None, on_step=No
             for out in engine.step():
                 if out.finished:
                     outputs[index[out.id]] = list(out.token_ids)
+            if on_compressed is not None:
+                for i, seq in enumerate(seqs):
+                    if seq.times_compressed > seen[i] and not seq.is_finished:
+                        on_compressed(i, seq)
+                    seen[i] = seq.times_compressed
             if on_step is not None:
                 on_step(engine.totals["generated_tokens"] - made)
     finally:
@@ -299,14 +322,17 @@ class Task:
     full_kv_metrics: object = None  # full_kv_metrics(reference) -> the full-KV row's metrics
     reference_key: dict = dataclasses.field(default_factory=dict)
     metric: str = "accuracy"  # what "score" is, for the table
+    spans: object = None  # spans(group, i) -> [(label, text)]: what --trace marks in a sample's prompt
 
 
 def run_cell(task: Task, source, budget: Budget | None, block_size: int, window: int, overrides: dict,
-             device: str, advance, reference: dict | None = None) -> dict:
+             device: str, advance, reference: dict | None = None, trace: TraceTo | None = None) -> dict:
     """One configuration at one budget over every group, or full KV (budget None, no reference yet):
-    outputs, what the observer collected, compressions and seconds."""
+    outputs, what the observer collected, compressions and seconds. With `trace`, each sample's kept
+    maps after its compressions are drawn into trace.folder."""
     start = time.monotonic()
     outputs, observed, compressions = [], [], 0
+    first = 0  # the number of the group's first sample, for the pictures' names
     for g, requests in enumerate(task.groups):
         if reference is not None and task.teacher_forced:
             requests = [Request(r.prompt, forced=out) for r, out in zip(requests, reference["outputs"][g])]
@@ -317,8 +343,12 @@ def run_cell(task: Task, source, budget: Budget | None, block_size: int, window:
             knobs["num_kv_blocks"] = max(pool_blocks(requests, block_size, overrides[POOL_SHARE]), blocks + 1)
         engine = make_engine(source, block_size, blocks, window, knobs, device)
         observer, collected = task.observer(g, reference) if task.observer else (None, None)
-        outputs.append(drive(engine, requests, observer, advance))
+        tracer = Tracer(engine) if trace is not None else None
+        outputs.append(drive(engine, requests, observer, advance, tracer.compressed if tracer else None))
         observed.append(collected)
+        if tracer is not None:
+            write_group(trace, tracer, requests, outputs[-1], source.tokenizer, task.spans, g, first)
+        first += len(requests)
         compressions += engine.totals["compressions"]
         engine.close()
     return {"outputs": outputs, "observed": observed, "compressions": compressions,
@@ -327,9 +357,10 @@ def run_cell(task: Task, source, budget: Budget | None, block_size: int, window:
 
 def evaluate(task: Task, source, model: str, configurations: list[str], budgets: list[Budget],
              block_size: int, window: int, settings: dict, device: str, json_path: str | None,
-             progress: Progress, params: dict) -> dict:
+             progress: Progress, params: dict, trace: str | None = None) -> dict:
     """Full KV (cached), then every configuration at every budget. The JSON file is rewritten as each
-    cell finishes, so an interrupted run keeps what it measured."""
+    cell finishes, so an interrupted run keeps what it measured. With `trace` (a folder), every sample
+    of every compressed cell gets a picture of what its cache held after each compression."""
     tokens = sum(tokens_of(g) for g in task.groups)
     results = {"task": task.name, "model": model, "metric": task.metric, "block_size": block_size,
                "window": window, "settings": settings, "budgets": [b.label for b in budgets],
@@ -356,8 +387,9 @@ def evaluate(task: Task, source, model: str, configurations: list[str], budgets:
         row = {"configuration": name, "overrides": overrides, "by_budget": {}}
         results["rows"].append(row)
         for budget in budgets:
+            target = TraceTo(trace, task.name, name, budget.label) if trace else None
             cell = run_cell(task, source, budget, block_size, window, overrides, device,
-                            progress.task(f"{task.name}: {name} @ {budget.label}", tokens), reference)
+                            progress.task(f"{task.name}: {name} @ {budget.label}", tokens), reference, target)
             metrics = task.score(cell["outputs"], cell["observed"], reference)
             row["by_budget"][budget.label] = {**metrics, "compressions": cell["compressions"],
                                               "seconds": cell["seconds"]}
@@ -436,7 +468,7 @@ def mean(values) -> float:
 
 
 def run_task(model: str, make_task, params: dict, budgets, block_size: int, window: int, device: str,
-             configurations, settings, json_path, progress) -> dict:
+             configurations, settings, json_path, progress, trace: str | None = None) -> dict:
     """What every task's `run` shares: the default budgets and rows, the model, the task's samples
     (`make_task(tokenizer)`), then `evaluate` with progress bars."""
     from zipage.engine.loading.loader import resolve_model
@@ -447,4 +479,4 @@ def run_task(model: str, make_task, params: dict, budgets, block_size: int, wind
     task = make_task(source.tokenizer)
     with progress or Progress(False) as bars:
         return evaluate(task, source, model, configurations, budgets, block_size, window, settings or {},
-                        device, json_path, bars, params)
+                        device, json_path, bars, params, trace)

@@ -110,7 +110,7 @@ def cell(metrics: dict) -> str:
 def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 4, tokens: int = DEFAULT_TOKENS,
         budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
-        progress: ec.Progress | None = None) -> dict:
+        progress: ec.Progress | None = None, trace: str | None = None) -> dict:
     return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, tokens),
                        {"split": split, "num_samples": num_samples, "tokens": tokens},
-                       budgets, block_size, window, device, configurations, settings, json_path, progress)
+                       budgets, block_size, window, device, configurations, settings, json_path, progress, trace)

@@ -57,6 +57,7 @@ def make_sample(tokenizer, rng, length: int, depth: int, kind: str) -> dict:
     prompt, _ = render(tokenizer, sentences, keys[0])
     answer = " " + values[0]
     return {"prompt": prompt, "value": values[0], "depth": depth, "kind": kind, "length": length,
+            "needle": needle(keys[0], values[0]),
             "free_tokens": len(tokenizer.encode(answer, add_special_tokens=False)) + 1}
 
 
@@ -95,16 +96,17 @@ def build(tokenizer, split: str, num_samples: int, lengths, depths) -> tuple[ec.
         return {"score": ec.mean(hits.pop("all")),
                 **{name: ec.mean(v) for name, v in sorted(hits.items())}}
 
-    task = ec.Task(name="needle", groups=groups, score=score)
+    task = ec.Task(name="needle", groups=groups, score=score,
+                   spans=lambda g, i: [("needle", meta[g][i]["needle"])])
     return task, meta
 
 
 def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 1, lengths=DEFAULT_LENGTHS,
         depths=DEFAULT_DEPTHS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
-        progress: ec.Progress | None = None) -> dict:
+        progress: ec.Progress | None = None, trace: str | None = None) -> dict:
     ec.check_count("num_samples", num_samples)
     lengths, depths = list(lengths), list(depths)
     return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, lengths, depths)[0],
                        {"split": split, "num_samples": num_samples, "lengths": lengths, "depths": depths},
-                       budgets, block_size, window, device, configurations, settings, json_path, progress)
+                       budgets, block_size, window, device, configurations, settings, json_path, progress, trace)

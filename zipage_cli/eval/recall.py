@@ -33,14 +33,16 @@ def next_turn(tokenizer, text: str) -> list[int]:
 
 def make_sample(tokenizer, rng, tokens: int) -> dict:
     key, value = rng.choice(KEYS), str(rng.randrange(10000, 100000))
-    user = f"Remember this: the access code for the {key} vault is {value}. Now write a long story about a town by the sea."
+    fact = f"the access code for the {key} vault is {value}"
+    user = f"Remember this: {fact}. Now write a long story about a town by the sea."
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                                             add_generation_prompt=True), add_special_tokens=False)
     story = tokenizer.encode(" ".join(filler_tokens(tokenizer, rng, tokens)), add_special_tokens=False)[:tokens]
     question = next_turn(tokenizer, f"What is the access code for the {key} vault?")
     question += tokenizer.encode(f"The access code for the {key} vault is", add_special_tokens=False)
     answer = tokenizer.encode(" " + value, add_special_tokens=False)
-    return {"prompt": prompt, "forced": story + question, "value": value, "free_tokens": len(answer) + 1}
+    return {"prompt": prompt, "forced": story + question, "value": value, "free_tokens": len(answer) + 1,
+            "fact": fact}
 
 
 def build(tokenizer, split: str, num_samples: int, tokens: int) -> ec.Task:
@@ -53,14 +55,14 @@ def build(tokenizer, split: str, num_samples: int, tokens: int) -> ec.Task:
                 for s, out in zip(samples, outputs[0])]
         return {"score": ec.mean(hits)}
 
-    return ec.Task(name="recall", groups=[requests], score=score)
+    return ec.Task(name="recall", groups=[requests], score=score, spans=lambda g, i: [("fact", samples[i]["fact"])])
 
 
 def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 8, tokens: int = DEFAULT_TOKENS,
         budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
-        progress: ec.Progress | None = None) -> dict:
+        progress: ec.Progress | None = None, trace: str | None = None) -> dict:
     ec.check_count("num_samples", num_samples)
     return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, tokens),
                        {"split": split, "num_samples": num_samples, "tokens": tokens},
-                       budgets, block_size, window, device, configurations, settings, json_path, progress)
+                       budgets, block_size, window, device, configurations, settings, json_path, progress, trace)

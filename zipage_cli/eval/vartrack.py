@@ -53,7 +53,7 @@ def make_sample(tokenizer, rng, length: int, hops: int) -> dict:
         slots = sorted(rng.sample(range(len(sentences) + 1), len(statements)), reverse=True)
         for slot, statement in zip(slots, reversed(statements)):
             sentences.insert(slot, statement)
-    return {"prompt": render(tokenizer, sentences, last), "value": value,
+    return {"prompt": render(tokenizer, sentences, last), "value": value, "links": links,
             "free_tokens": len(tokenizer.encode(" " + value, add_special_tokens=False)) + 1}
 
 
@@ -66,14 +66,18 @@ def build(tokenizer, split: str, num_samples: int, length: int, hops: int) -> ec
     def score(outputs, observed, reference) -> dict:
         return {"score": ec.mean(exact_match(tokenizer.decode(out), s["value"]) for s, out in zip(samples, outputs[0]))}
 
-    return ec.Task(name="vartrack", groups=[requests], score=score)
+    def spans(g: int, i: int) -> list[tuple[str, str]]:
+        links = samples[i]["links"]
+        return [("value", links[0])] + ([("asked", links[-1])] if len(links) > 1 else [])
+
+    return ec.Task(name="vartrack", groups=[requests], score=score, spans=spans)
 
 
 def run(model: str = DEFAULT_MODEL, split: str = "report", num_samples: int = 12, length: int = DEFAULT_LENGTH,
         hops: int = DEFAULT_HOPS, budgets=None, block_size: int = 32, window: int = 16, device: str = "cpu",
         configurations: list[str] | None = None, settings: dict | None = None, json_path: str | None = None,
-        progress: ec.Progress | None = None) -> dict:
+        progress: ec.Progress | None = None, trace: str | None = None) -> dict:
     ec.check_count("num_samples", num_samples)
     return ec.run_task(model, lambda tokenizer: build(tokenizer, split, num_samples, length, hops),
                        {"split": split, "num_samples": num_samples, "length": length, "hops": hops},
-                       budgets, block_size, window, device, configurations, settings, json_path, progress)
+                       budgets, block_size, window, device, configurations, settings, json_path, progress, trace)
