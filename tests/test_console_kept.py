@@ -306,6 +306,45 @@ def test_chat_opens_the_view_by_alt_k_as_tmux_sends_it_and_by_f3(engine):
     asyncio.run(run())
 
 
+def test_chat_remembers_an_answers_map_at_each_compression_for_after_it_ends(engine):
+    """The view was never opened while the answer ran: the map taken after its compression is what
+    F3 shows once the answer has ended; an answer never compressed is said to have held everything."""
+    async def run():
+        app = ChatApp(engine, temperature=0.0, max_tokens=300)
+        async with app.run_test(size=(100, 30)) as pilot:
+            session = app.current
+            engine.pause()
+            try:
+                await type_line(pilot, "The magic number is 48213.")
+                await wait_for(pilot, lambda: session.handle is not None, what="the submit")
+                step_until(engine, lambda s: any(r.session == "chat-1" and r.times_compressed for r in s.requests))
+                await wait_for(pilot, lambda: session.kept is not None, what="the map taken after the compression")
+                assert session.kept.request == session.handle.id and session.kept.map.compressions >= 1
+            finally:
+                engine.abort(session.handle) if session.handle else None
+                engine.resume()
+            await wait_for(pilot, lambda: not session.busy, what="the stopped answer")
+            await pilot.press("f3")
+            await wait_for(pilot, lambda: isinstance(app.screen, KeptScreen) and app.screen.note is not None,
+                           what="the view of the ended answer")
+            assert app.screen.holding.map.compressions >= 1
+            assert "has ended" in app.screen.note and "showing its last map" in app.screen.note
+            await pilot.press("escape")
+            # A short answer that ends before its first compression: nothing to draw, and it says why.
+            await pilot.press("ctrl+n")
+            await wait_for(pilot, lambda: app.current is not session, what="a new session")
+            fresh = app.current
+            fresh.conv.max_tokens = 2
+            await type_line(pilot, "Hi")
+            await wait_for(pilot, lambda: fresh.last_request is not None and not fresh.busy, what="the short answer")
+            await pilot.press("f3")
+            await pilot.pause()
+            assert not isinstance(app.screen, KeptScreen)
+            assert "never compressed" in " ".join(n.message for n in app._notifications)
+
+    asyncio.run(run())
+
+
 def test_teaching_mode_names_what_a_compression_dropped_then_shows_what_is_left(engine):
     prompt = "The special magic number for lemon is 48213. Gulls circled above the roofs."
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -20,6 +20,7 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 
 from zipage.engine.api.handles import RequestHandle
 from zipage.engine.api.protocol import FrontDoor
+from zipage.engine.events import Compressed
 from zipage.cli.console.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.console.themes import ThemedApp, theme_names
 from zipage.cli.console.history_input import HistoryInput
@@ -444,6 +445,11 @@ class ChatApp(SidePanes, ThemedApp):
             return
         request = session.last_request
         engine, book = self.engine, self.book
+        remembered = session.kept is not None and session.kept.request == request
+        if not remembered and not session.busy:  # ended, and no compression of it took a map
+            self.notify(f"#{request} was never compressed: its KV held every token until the answer ended "
+                        "and was freed. Lower the budget (/budget 2) to watch a compression.", timeout=6)
+            return
 
         def closed(holding: Holding | None) -> None:
             session.kept = holding or session.kept
@@ -451,6 +457,24 @@ class ChatApp(SidePanes, ThemedApp):
         self.push_screen(KeptScreen(request, f"#{request} ({session.conv.name})",
                                     lambda: take(engine, book, request, prompt_tokens_of(engine, request)),
                                     last=session.kept), closed)
+
+    def remember_compressed(self, events) -> None:
+        """After each compression of a session's answer, take its map in the background: once the
+        answer ends its KV is freed, and the view then shows this last map instead of nothing."""
+        if self.engine is None or not can_ask(self.engine):
+            return
+        for event in events:
+            if not isinstance(event, Compressed):
+                continue
+            for session in self.sessions.values():
+                if session.last_request == event.request:
+                    self.run_worker(lambda s=session, r=event.request: self._remember(s, r), thread=True,
+                                    group="kept-memory")
+
+    def _remember(self, session: Session, request: int) -> None:
+        holding = take(self.engine, self.book, request, prompt_tokens_of(self.engine, request))
+        if isinstance(holding, Holding) and session.last_request == request:
+            session.kept = holding
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
@@ -461,6 +485,7 @@ class ChatApp(SidePanes, ThemedApp):
         events = drain(self.events)
         if isinstance(self.screen, KeptScreen):
             self.screen.engine_events(events)
+        self.remember_compressed(events)
         self.block_table.show(snapshot)
         self.panes.show(snapshot, events)
         running = sum(1 for s in self.sessions.values() if s.busy)

@@ -131,7 +131,9 @@ def take(door, book: TokenBook | None, request: int, prompt_tokens: int | None =
         return "this engine does not answer the kept query"
     try:
         kmap = door.kept(request)
-    except (LookupError, ValueError, RuntimeError, TimeoutError, OSError) as e:
+    except LookupError:
+        return f"#{request} has ended: its KV was freed"
+    except (ValueError, RuntimeError, TimeoutError, OSError) as e:
         return f"no map for #{request}: {e}"
     if kmap is None:
         return f"#{request} is no longer in the engine: its KV was freed"
