@@ -60,8 +60,14 @@ class IncrementalDetokenizer:
         return self._emit_until(len(self.text) - self.holdback)
 
     def finish(self, include_stop: bool = False) -> str:
-        """The final delta once the request ends (incomplete trailing bytes included)."""
+        """The final delta once the request ends (incomplete trailing bytes included). Stop strings
+        are looked for again in the whole text: one whose last character came in the same tokens as
+        a broken one (bytes no character completes) was still held back when the request ended."""
         self.text = self._decode(self.token_ids)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0 and (self.stopped_at is None or at < self.stopped_at):
+                self.stopped_at = at
         if self.stopped_at is not None:
             end = self.stopped_at
             if include_stop:
