@@ -4,6 +4,7 @@ Mode "zipage" runs the engine's budget policy; mode "elastic" is Zipage with ela
 that policy, so one run can set fixed and elastic budgets side by side.
 
 `run_bench` is the reusable entry point; `kv_footprint` gives the concurrency gain a workload allows.
+torch and the engine are imported where they are used, so the command refuses bad arguments at once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-
 from zipage.engine.config import EngineConfig, SamplingParams
-from zipage.engine.api.llm import LLM
 from zipage.engine.loading.loader import resolve_model
 
 MODES = ("zipage", "elastic", "fullkv", "hf")
@@ -29,6 +27,8 @@ Progress = Callable[[str, int, int], None]
 
 
 def random_prompts(vocab_size: int, num_requests: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_requests, input_len), generator=gen).tolist()
 
@@ -192,6 +192,8 @@ def kv_footprint(prompt_lens: list[int], output_lens: list[int], block_size: int
     When the pool is what limits concurrency, the ratio of the two means is the most concurrency,
     and so throughput, that compression can buy on this workload.
     """
+    import torch
+
     full = zipage = steps = 0
     cap = budget_blocks + 1
     for p, n in zip(prompt_lens, output_lens):
@@ -206,6 +208,8 @@ def kv_footprint(prompt_lens: list[int], output_lens: list[int], block_size: int
 
 
 def _release_memory() -> None:
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -216,6 +220,8 @@ class EngineRunner:
     tokens as they come and to sample the number of running requests between steps."""
 
     def __init__(self, model: str, engine_kwargs: dict, compression: bool):
+        from zipage.engine.api.llm import LLM
+
         self.llm = LLM(model, compression=compression, **engine_kwargs)
 
     def __call__(self, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
@@ -247,6 +253,8 @@ class EngineRunner:
 def hf_model(config: EngineConfig):
     """A transformers model holding exactly the engine's weights: the checkpoint's tensors for a real
     model, or the engine's own seeded random init for a `random:` preset."""
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     from zipage.engine.execution.model_runner import resolve_device, resolve_dtype
@@ -270,6 +278,8 @@ def hf_model(config: EngineConfig):
 def _random_weights(hf_config, seed: int, device: torch.device, dtype: torch.dtype):
     """The engine's random init, renamed and split into HF's unfused layout. Built as the engine's
     ModelRunner builds it (same class, device, dtype and seed), so the values match exactly."""
+    import torch
+
     from zipage.engine.execution.models import CausalLM
 
     previous = torch.get_default_dtype()
@@ -329,6 +339,8 @@ class HFRunner:
         self.model = hf_model(config)
 
     def __call__(self, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
+        import torch
+
         from transformers import GenerationConfig
 
         model = self.model

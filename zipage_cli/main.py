@@ -219,6 +219,23 @@ def interactive(engine_kwargs: dict) -> dict:
             **engine_kwargs}
 
 
+def _nvidia_driver_present() -> bool:
+    """Whether an NVIDIA driver is loaded, read off the file system (torch takes seconds to import)."""
+    return os.path.exists("/proc/driver/nvidia/version") or any(
+        name.startswith("nvidia") and name[6:].isdigit() for name in os.listdir("/dev") if os.path.isdir("/dev"))
+
+
+def preflight(engine_kwargs: dict) -> None:
+    """The refusals that need no torch, made before loading it: a model name or file that does not
+    exist, CUDA asked for on a machine without an NVIDIA driver. ValueError, as the engine's own."""
+    from zipage.engine.loading.loader import model_kind
+
+    model_kind(engine_kwargs.get("model") or DEFAULT_MODEL)
+    device = engine_kwargs.get("device") or ""
+    if device.startswith("cuda") and not _nvidia_driver_present():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine (no NVIDIA driver)")
+
+
 def _load_engine(engine_kwargs: dict, start=None):
     """Start the engine (an EngineThread, or what `start(engine_kwargs)` returns) behind a spinner; bad
     knobs or models exit with status 2, Ctrl+C with 130."""
@@ -232,6 +249,7 @@ def _load_engine(engine_kwargs: dict, start=None):
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         with exit_on_interrupt(), usage_errors():
+            preflight(engine_kwargs)
             try:
                 with err.status(f"loading {engine_kwargs.get('model', DEFAULT_MODEL)}..."):
                     engine = (start or _engine_thread)(engine_kwargs)
@@ -431,6 +449,8 @@ def serve(
 ):
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics and a feed for the console.
     Limits, shutdown and metrics: docs/serving.md."""
+    with usage_errors():
+        preflight(engine_kwargs)  # before the server's modules bring torch in
     from zipage.cli.serve.guards import MIB, ServeLimits
     from zipage.cli.serve.lifecycle import serve as run_server
 

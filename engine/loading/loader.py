@@ -77,30 +77,49 @@ class ModelSource:
 # Entry points
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """Turn a model name, path, hub id or `random:` preset into a ModelSource."""
+def model_kind(spec: str) -> str:
+    """What a model spec names, from the name and the file system alone ("random", "builtin",
+    "gguf", "dir" or "hub"): nothing is imported or loaded, so a bad name is refused at once."""
     spec = spec.strip()
     if spec.startswith("random:"):
-        return _resolve_random(spec)
-    builtin = find_builtin(spec)
-    if builtin is not None:
-        return _resolve_gguf(_builtin_path(builtin), name=builtin.name)
+        if spec.removeprefix("random:") not in RANDOM_PRESETS:
+            raise ValueError(f"unknown random preset {spec!r}; known presets: {_random_names()}")
+        return "random"
+    if find_builtin(spec) is not None:
+        return "builtin"
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise ValueError(f"GGUF file {spec!r} not found")
-        return _resolve_gguf(path, name=spec)
+        return "gguf"
     if path.is_dir():
-        return _resolve_hf_dir(path, name=spec)
+        return "dir"
     if path.is_file():
         raise ValueError(f"{spec!r} is a file but not a .gguf; pass a .gguf file or a model folder")
     if _looks_like_hub_id(spec) and not path.exists():
-        return _resolve_hub(spec)
+        return "hub"
     builtin_names = ", ".join(m.name for m in BUILTIN_MODELS)
     raise ValueError(
         f"model {spec!r} not found: expected a built-in name ({builtin_names}), a .gguf file, "
         f"an HF directory, or a hub id (or a random: preset: {_random_names()})"
     )
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a model name, path, hub id or `random:` preset into a ModelSource."""
+    spec = spec.strip()
+    kind = model_kind(spec)
+    if kind == "random":
+        return _resolve_random(spec)
+    if kind == "builtin":
+        builtin = find_builtin(spec)
+        return _resolve_gguf(_builtin_path(builtin), name=builtin.name)
+    path = Path(spec).expanduser()
+    if kind == "gguf":
+        return _resolve_gguf(path, name=spec)
+    if kind == "dir":
+        return _resolve_hf_dir(path, name=spec)
+    return _resolve_hub(spec)
 
 
 def list_models() -> list[dict]:
@@ -142,9 +161,7 @@ def cache_dir() -> Path:
 
 
 def _resolve_random(spec: str) -> ModelSource:
-    preset = RANDOM_PRESETS.get(spec.removeprefix("random:"))
-    if preset is None:
-        raise ValueError(f"unknown random preset {spec!r}; known presets: {_random_names()}")
+    preset = RANDOM_PRESETS[spec.removeprefix("random:")]
     return ModelSource(name=spec, hf_config=preset.make_config(), tokenizer=byte_tokenizer(), path=None)
 
 
