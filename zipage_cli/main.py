@@ -507,17 +507,24 @@ def bench(
 
 def _run_bench_with_progress(model: str, modes: list[str], num_requests: int, input_len: int, output_len: int,
                              repeats: int, engine_kwargs: dict) -> dict:
-    """run_bench with a progress bar per mode on stderr; a mode that fails to run exits with status 1."""
+    """run_bench with a progress bar per mode on stderr (plain lines when stderr is no terminal); a mode
+    that fails to run exits with status 1."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zipage.cli.bench import run_bench
+    from zipage.cli.progress_lines import ProgressLines, is_terminal
 
+    lines = None if is_terminal() else ProgressLines()
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=err) as bar:
+                  TimeElapsedColumn(), console=err, disable=lines is not None) as bar, \
+            (lines or contextlib.nullcontext()):
         total = num_requests * output_len * repeats
         tasks = {m: bar.add_task(m, total=total, start=False) for m in modes}
 
         def progress(m: str, done: int, total: int) -> None:
+            if lines is not None:
+                lines.update(m, done, total)
+                return
             bar.start_task(tasks[m])
             bar.update(tasks[m], completed=done)
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,11 +274,15 @@ def model_identity(source) -> str:
 
 # -- progress --------------------------------------------------------------------------------
 class Progress:
-    """Rich progress bars on stderr with the time left, or nothing (enabled=False, for tests)."""
+    """Rich progress bars on stderr with the time left, plain lines where stderr is no terminal, or
+    nothing (enabled=False, for tests)."""
 
     def __init__(self, enabled: bool = True):
+        from zipage.cli.progress_lines import ProgressLines, is_terminal
+
         self.bars = None
-        if enabled:
+        self.lines = ProgressLines() if enabled and not is_terminal() else None
+        if enabled and self.lines is None:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
@@ -289,21 +294,30 @@ class Progress:
     def __enter__(self):
         if self.bars is not None:
             self.bars.start()
+        if self.lines is not None:
+            self.lines.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.bars is not None:
             self.bars.stop()
+        if self.lines is not None:
+            self.lines.__exit__(*exc)
 
     def task(self, description: str, total: int):
         """A bar; returns the function that advances it by n units."""
+        if self.lines is not None:
+            self.lines.add(description, total)
+            return lambda n: self.lines.advance(description, n)
         if self.bars is None:
             return lambda n: None
         task_id = self.bars.add_task(description, total=total)
         return lambda n: self.bars.advance(task_id, n)
 
     def log(self, line: str) -> None:
-        if self.bars is not None:
+        if self.lines is not None:
+            print(line, file=sys.stderr, flush=True)
+        elif self.bars is not None:
             self.bars.console.print(line)
 
 
