@@ -133,7 +133,7 @@ def _answer(service, prompt: str, params, raw: bool, system: str | None, stats: 
         start = time.monotonic()
         handle = service.submit(request, params, session="cli")
         out = _write_answer(handle)
-        _check_complete(out)
+        _check_complete(out, params.max_tokens)
         if stats:
             seconds = time.monotonic() - start
             err.print(f"{len(out.token_ids)} tokens in {seconds:.2f} s "
@@ -157,11 +157,13 @@ def _write_answer(handle):
     return out
 
 
-def _check_complete(out) -> None:
+def _check_complete(out, max_tokens: int | None = None) -> None:
     if out.finish_reason == "error":
         run_failed(f"{out.error}")
     if out.error:  # ended early for a reason of its own (e.g. it outgrew the KV pool): the answer is cut
         run_failed(f"the answer was cut short ({out.finish_reason}): {out.error}")
+    if out.finish_reason == "length" and max_tokens is not None and len(out.token_ids) >= max_tokens:
+        err.print(f"[yellow]note:[/] the answer stopped at --max-tokens ({max_tokens} tokens); raise it for more")
 
 
 def _blocks(value: str | None, option: str) -> int | None:
