@@ -12,6 +12,8 @@ BUDGET_POLICIES = ("fixed", "elastic")  # docs/design-notes.md, "Budgets"
 DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/loading/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default limit)
+MAX_COUNT_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's API defines them
 
 
 def _as_list(name: str, value, kind: type) -> list:
@@ -197,6 +199,10 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's penalties, over the output's tokens only (docs/design-notes.md, "Penalties"):
+    # logits[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     max_tokens: int = 512
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -205,6 +211,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     stop_strings_in_output: bool = False  # keep the matched stop string in the text
     kv_budget: int | None = None  # KV budget in blocks (the floor under elastic budgets); None: the engine's
+    # Log-probabilities under the model's raw distribution, log_softmax of the logits before penalties,
+    # temperature and filters (docs/design-notes.md, "Log-probabilities"): each output token's and its
+    # `logprobs` most likely alternatives; each prompt token's after the first, with `prompt_logprobs`
+    # alternatives. None: not computed. 0: the token's own only.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -226,8 +238,19 @@ class SamplingParams:
             _fail("min_p", self.min_p, "must be in [0, 1]")
         if not MIN_PENALTY <= number("repetition_penalty") <= 1 / MIN_PENALTY:
             _fail("repetition_penalty", self.repetition_penalty, f"must be in [{MIN_PENALTY:g}, {1 / MIN_PENALTY:g}]")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            _fail("max_tokens", self.max_tokens, "must be an integer >= 1")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -MAX_COUNT_PENALTY <= number(name) <= MAX_COUNT_PENALTY:
+                _fail(name, getattr(self, name), f"must be in [{-MAX_COUNT_PENALTY:g}, {MAX_COUNT_PENALTY:g}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                _fail(name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        # 0 generates nothing: the request only scores its prompt (docs/design-notes.md, "Log-probabilities").
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < lowest:
+            _fail("max_tokens", self.max_tokens, "must be an integer >= 1, or 0 with prompt_logprobs (to score the "
+                                                 "prompt only)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 64):
             _fail("seed", self.seed, "must be None or an integer in [0, 2**64)")
@@ -246,6 +269,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 _fail("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling reads the request's tokens (a repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,12 @@ class Sequence:
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): the output's first tokens, fed whatever is sampled
+        # Log-probabilities, where asked (docs/design-notes.md, "Log-probabilities"): one per output token,
+        # and one per prompt token (None for the first, which nothing predicts), filled in as the prefill
+        # scores positions 0 .. prompt_scored - 1.
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        self.prompt_scored = 0
         # Each sampling request draws from its own stream: its own seed, else one derived from the
         # engine's seed and its arrival index, so what it samples never depends on what else runs.
         self.generator: torch.Generator | None = None
@@ -167,6 +173,11 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def record_prompt_logprobs(self, first: int, entries: list) -> None:
+        """The logprobs of the prompt tokens after positions first .. first + len(entries) - 1."""
+        self.prompt_logprobs[first + 1:first + 1 + len(entries)] = entries
+        self.prompt_scored = max(self.prompt_scored, first + len(entries))
 
     # -- overlapped steps: the next step is planned before this step's token is read ----------
     def expect_token(self) -> None:

@@ -45,11 +45,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path, extra: list[str] = (), port: int | None = None) -> Server:
+def start_server(log: Path, extra: list[str] = (), port: int | None = None, model: str = MODEL) -> Server:
     """`port`: a given one, to start a server again where a stopped one was."""
     port = port or free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on a shared CPU: one thread is fastest
-    command = [sys.executable, "-m", "zipage.cli.main", "serve", "--model", MODEL, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "zipage.cli.main", "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--api-key", API_KEY, "--log-level", "warning", *KNOBS, *extra]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -85,9 +85,11 @@ def test_early_stops_sampling_and_streams_match(model_path):
     assert overlapped > 10
 
 
-def test_a_repetition_penalty_is_served_synchronously_beside_overlapped_requests(model_path):
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5)],
+                         ids=["repetition", "frequency and presence"])
+def test_a_penalty_is_served_synchronously_beside_overlapped_requests(model_path, penalty):
     prompts = random_prompts(3, [10, 18, 25], seed=3)
-    requests = [(prompts[0], greedy(30, repetition_penalty=1.3), False),
+    requests = [(prompts[0], greedy(30, **penalty), False),
                 (prompts[1], greedy(30), False), (prompts[2], greedy(45), False)]
     _, overlapped = same_outputs(model_path, requests)
     assert overlapped >= 10  # once the penalised request is done, the others overlap

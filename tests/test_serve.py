@@ -207,6 +207,115 @@ def test_client_that_disconnects_while_waiting_for_a_whole_answer_aborts_it(serv
     assert any(e["request"] == request_id and e["kind"] == "aborted" for e in snap["events"])
 
 
+def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client, offline):
+    """Token-id prompts of different lengths: each choice is the offline engine's answer to its prompt, its
+    index the prompt's place; usage adds up over the prompts."""
+    prompts = [prompt_ids(20 + i, n=5 + 3 * i) for i in range(3)]
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in reply.choices] == [e.token_ids for e in expected]
+    assert [c.model_extra["prompt_token_ids"] for c in reply.choices] == prompts
+    assert [c.text for c in reply.choices] == [e.text for e in expected]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (sum(map(len, prompts)), 36)
+
+
+def test_a_list_of_text_prompts_answers_each_as_alone(client):
+    texts = ["The sky is", "Once upon a time", "def main():"]
+    alone = [client.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True}) for text in texts]
+    together = client.completions.create(model=MODEL, prompt=texts, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert together.usage.completion_tokens == 30
+
+
+def test_streamed_prompts_carry_their_index_and_end_with_one_usage_chunk(server, offline):
+    prompts = [prompt_ids(40 + i, n=4 + i) for i in range(4)]
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with server.client() as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            ids = response.headers["x-zipage-request-id"].split(",")
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert len(set(ids)) == 4
+    *answers, last = chunks
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": sum(map(len, prompts)),
+                                                       "completion_tokens": 64,
+                                                       "total_tokens": sum(map(len, prompts)) + 64}
+    texts, tokens, reasons = [""] * 4, [[] for _ in range(4)], [[] for _ in range(4)]
+    for chunk in answers:
+        assert "usage" not in chunk and chunk["id"] == last["id"]
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        tokens[choice["index"]] += choice.get("token_ids", [])
+        if choice["finish_reason"]:
+            reasons[choice["index"]].append(choice["finish_reason"])
+    assert tokens == [out.token_ids for out in expected]
+    assert texts == [out.text for out in expected]
+    assert reasons == [["length"]] * 4
+
+
+def test_a_client_that_leaves_a_list_of_prompts_aborts_every_one(server):
+    body = {"model": MODEL, "prompt": ["A first story", "A second story", "A third story"], "max_tokens": LONG,
+            "ignore_eos": True, "stream": True}
+    with server.client() as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            ids = [int(i) for i in response.headers["x-zipage-request-id"].split(",")]
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(12))]
+            assert sum(line.startswith("data: ") for line in received) >= 6
+            assert set(ids) <= {r["id"] for r in server.snapshot()["requests"]}
+        # leaving the block closes the connection mid-stream
+
+    snap = wait_until_idle(server)
+    assert snap["pool"]["free"] == snap["pool"]["total"]
+    for request_id in ids:
+        aborted = [e for e in snap["events"] if e["request"] == request_id and e["kind"] == "aborted"]
+        assert aborted and aborted[0]["details"]["output_tokens"] < LONG
+
+
+def test_a_refused_prompt_refuses_its_whole_list_and_leaves_nothing_behind(server):
+    """A prompt too long for the context is found before any prompt is sent; one the engine refuses
+    (longer than the pool) after the others were taken, which are then aborted."""
+    def post(prompts):
+        before = server.snapshot()
+        with server.client() as http:
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": LONG,
+                                                          "ignore_eos": True})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["message"].startswith("prompt[2]: ")
+        after = wait_until_idle(server)
+        assert after["pool"]["free"] == after["pool"]["total"]
+        seen = {(e["request"], e["kind"]) for e in before["events"]}
+        return before, after, [e for e in after["events"] if (e["request"], e["kind"]) not in seen]
+
+    before, after, new = post([[5, 6, 7], [8, 9], [7] * 9000])
+    assert after["totals"]["prompt_tokens"] == before["totals"]["prompt_tokens"] and not new  # none was sent
+    before, after, new = post([[5, 6, 7], [8, 9], [7] * 2000])
+    aborted = [e for e in new if e["kind"] == "aborted"]
+    assert len(aborted) == 2 and all(e["details"]["output_tokens"] < LONG for e in aborted)
+
+
+@pytest.mark.parametrize("frequency, presence", [(0.0, 0.0), (1.0, 0.0), (0.3, 1.5), (-0.5, 0.5)])
+def test_penalties_give_the_offline_engines_greedy_answers(client, offline, frequency, presence):
+    prompt = prompt_ids(5)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                      frequency_penalty=frequency, presence_penalty=presence,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=frequency,
+                            presence_penalty=presence)
+    expected = offline.generate([prompt], params)[0]
+    assert reply.choices[0].model_extra["token_ids"] == expected.token_ids
+    plain = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert (expected.token_ids == plain.token_ids) == (frequency == presence == 0)
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
     ("/v1/completions", b'["a list"]', None, "JSON object"),
@@ -219,13 +328,23 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, "seed", "seed='x'"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "stop=5"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "only n=1"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty=2.5"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty=-3"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": "1"},
+     "frequency_penalty", "frequency_penalty='1'"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos", "ignore_eos='yes'"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+    ("/v1/completions", {"prompt": []}, "prompt", "non-empty list"),
+    ("/v1/completions", {"prompt": ["one", [5, 6]]}, "prompt", "(all of one kind)"),
+    ("/v1/completions", {"prompt": ["p"] * 257}, "prompt", "at most 256"),
+    ("/v1/completions", {"prompt": ["hi", ""]}, None, "prompt[1]: prompt is empty"),
+    ("/v1/completions", {"prompt": [[5, 6], [1, 2, 512]]}, None, "prompt[1]: prompt token ids out of range"),
+    ("/v1/completions", {"prompt": ["one", "two"], "kv_budget": 1000}, "kv_budget", "prompt[0]: kv_budget=1000"),
     ("/v1/completions", {"prompt": ""}, None, "prompt is empty"),
     ("/v1/completions", {"prompt": [7] * 9000}, None, "max_model_len is 8192"),
     ("/v1/completions", {"prompt": [1, 2, 512]}, None, "out of range"),
     ("/v1/completions", {"prompt": [7] * 2000}, None, "the KV pool holds only 1024"),  # refused by the engine
+    ("/v1/completions", {"prompt": [[5, 6], [7] * 9000]}, None, "prompt[1]: prompt has 9000 tokens; max_model_len"),
+    ("/v1/completions", {"prompt": [[5, 6], [7] * 2000]}, None, "prompt[1]: prompt has 2000 tokens but the KV pool"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "usr", "content": "hi"}]}, "messages", "role='usr'"),
@@ -260,6 +379,10 @@ def test_bad_request_gets_400_in_openai_shape(server, path, body, param, words):
 def test_openai_client_sees_bad_values_as_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="top_p=0"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=0)
+    for field, value in (("presence_penalty", -2.5), ("frequency_penalty", 2.01)):
+        with pytest.raises(openai.BadRequestError, match=f"{field}=") as refused:
+            client.completions.create(model=MODEL, prompt="hi", **{field: value})
+        assert refused.value.param == field
     with pytest.raises(openai.NotFoundError, match="not served"):  # 404, code model_not_found
         client.completions.create(model="other", prompt="hi")
     assert [m.id for m in client.models.list()] == [MODEL]

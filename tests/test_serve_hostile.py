@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
 from zipage.engine.loading.loader import resolve_model
 from zipage.engine.loading.model_registry import CHATML_TEMPLATE
 from zipage.engine.loading.prompts import Chat, PromptReader
-from serve_helpers import MODEL, start_server, stop_server, wait_until_idle
+from serve_helpers import API_KEY, MODEL, start_server, stop_server, wait_until_idle
 
 MAX_MODEL_LEN = 8192  # the test server's (the preset's context length)
 CHAT = "/v1/chat/completions"
@@ -72,6 +73,10 @@ REFUSED = {
     "top_p 10**400": (completion(top_p=10**400), 400, None, "top_p"),
     "min_p 10**400": (completion(min_p=10**400), 400, None, "min_p"),
     "repetition_penalty 10**400": (completion(repetition_penalty=10**400), 400, None, "repetition_penalty"),
+    "frequency_penalty 10**400": (completion(frequency_penalty=10**400), 400, None, "frequency_penalty"),
+    "presence_penalty -1e400": (raw('{"prompt": "hi", "presence_penalty": -1e400}'), 400, None, "presence_penalty"),
+    "presence_penalty true": (chat(presence_penalty=True), 400, None, "presence_penalty"),
+    "frequency_penalty list": (completion(frequency_penalty=[1]), 400, None, "frequency_penalty"),
     "temperature 1e400": (raw('{"prompt": "hi", "temperature": 1e400}'), 400, None, "temperature"),
     "n true": (completion(n=True), 400, None, "n"),
     "n 1.0": (completion(n=1.0), 400, None, "n"),
@@ -100,6 +105,18 @@ REFUSED = {
     "a 257-character stop string": (completion(stop="x" * 257), 400, None, "stop"),
     "2049 messages": (chat(messages=HI * 2049), 400, None, "messages"),
     "a 513-character user": (completion(user="u" * 513), 400, None, "user"),
+    "257 prompts": (completion(prompt=[[5]] * 257), 400, None, "prompt"),
+    "10000 prompts": (completion(prompt=["p"] * 10_000), 400, None, "prompt"),
+    "an empty list of prompts": (completion(prompt=[]), 400, None, "prompt"),
+    "a token id that is a bool": (completion(prompt=[[5, True]]), 400, None, "prompt"),
+    "a token id that is a float": (completion(prompt=[5, 6.0]), 400, None, "prompt"),
+    "prompts nested three deep": (completion(prompt=[[[5]]]), 400, None, "prompt"),
+    "strings and token ids mixed": (completion(prompt=["hi", [5]]), 400, None, "prompt"),
+    "a prompt that is an object": (completion(prompt=[{"text": "hi"}]), 400, None, "prompt"),
+    "the second prompt past max_model_len": (completion(prompt=[[5], [7] * (MAX_MODEL_LEN + 1)]), 400,
+                                             "context_length_exceeded", None),
+    "the third prompt a 5 MB text": (completion(prompt=["a", "b", "x" * 5_000_000]), 400,
+                                     "context_length_exceeded", None),
     "prompt ids past max_model_len": (completion(prompt=[7] * (MAX_MODEL_LEN + 1)), 400,
                                       "context_length_exceeded", None),
     "prompt ids of max_model_len": (completion(prompt=[7] * MAX_MODEL_LEN), 400, "context_length_exceeded", None),
@@ -162,6 +179,7 @@ def test_hostile_body_is_refused_in_openai_shape_and_the_server_keeps_serving(se
 def test_a_null_field_is_a_field_not_given(server):
     body = {"prompt": [5, 6, 7], "max_completion_tokens": None, "max_tokens": 3, "ignore_eos": True,
             "temperature": None, "top_p": None, "top_k": None, "min_p": None, "repetition_penalty": None,
+            "frequency_penalty": None, "presence_penalty": None,
             "seed": None, "stop": None, "n": None, "user": None, "stream": None, "stream_options": None,
             "logprobs": None, "tools": None, "kv_budget": None, "return_token_ids": None}
     with server.client() as http:
@@ -255,6 +273,18 @@ def test_template_variables_reach_the_template():
     assert own.chat_text(HI, template_kwargs={"enable_thinking": False}) == thinking + "<think></think>"
     assert own.read(Chat(HI, template_kwargs={"enable_thinking": False})) == own.encode(thinking + "<think></think>")
     assert own.read(HI) == own.encode(thinking)  # a plain list of messages reads as before
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_crash(server):
+    """The body is read after the route starts: a client gone by then is no error in the log (the
+    check below), and the server keeps serving."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw_socket:
+        raw_socket.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + API_KEY.encode()
+                           + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    with server.client() as http:
+        for _ in range(3):
+            assert post(http, COMPLETIONS, {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_no_request_made_the_server_crash(server):

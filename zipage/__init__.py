@@ -11,7 +11,7 @@ import importlib
 _PUBLIC = {"LLM": "zipage.engine.api.llm", "SamplingParams": "zipage.engine.config",
            "EngineConfig": "zipage.engine.config", "EngineThread": "zipage.engine.api.thread",
            "EngineSnapshot": "zipage.engine.events", "RequestOutput": "zipage.engine.core.outputs",
-           "PromptTooLong": "zipage.engine.core.outputs"}
+           "PromptTooLong": "zipage.engine.core.outputs", "TokenLogprobs": "zipage.engine.logprobs"}
 
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"

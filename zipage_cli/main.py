@@ -78,6 +78,10 @@ def generate(
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, help="Drop tokens below min_p times the top probability."),
     repetition_penalty: float = typer.Option(1.0, help="Penalty for tokens already in the context."),
+    frequency_penalty: float = typer.Option(0.0, help="Subtracted from a token's logit per time it is in the "
+                                                      "answer so far, in [-2, 2]."),
+    presence_penalty: float = typer.Option(0.0, help="Subtracted from the logit of every token already in the "
+                                                     "answer, in [-2, 2]."),
     sample_seed: int = typer.Option(None, "--sample-seed", help="Seed for this request's sampling."),
     # Read as text so that a value that is no whole number is one line of error, like 0 or too large a budget.
     kv_budget: str = typer.Option(None, "--kv-budget", metavar="BLOCKS",
@@ -87,6 +91,9 @@ def generate(
                              help="Send the prompt as is, without the model's chat template."),
     system: str = typer.Option(None, help="A system message for the chat template."),
     stats: bool = typer.Option(False, "--stats", metavar="", help="Print tokens, time and throughput to stderr at the end."),
+    logprobs: int = typer.Option(None, "--logprobs", metavar="K",
+                                 help="After the answer, print each token's log-probability and the K most likely "
+                                      "tokens at its place (K in [0, 20])."),
     engine_kwargs: dict = None,
 ):
     """Stream the model's answer to a prompt to standard output."""
@@ -95,8 +102,9 @@ def generate(
     prompt = _read_prompt(prompt)
     with usage_errors():
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=sample_seed,
-                                kv_budget=_blocks(kv_budget, "--kv-budget"))
+                                repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, max_tokens=max_tokens, seed=sample_seed,
+                                kv_budget=_blocks(kv_budget, "--kv-budget"), logprobs=logprobs)
     service = _load_engine(engine_kwargs)
     try:
         _answer(service, prompt, params, raw, system, stats)
@@ -133,6 +141,10 @@ def _answer(service, prompt: str, params, raw: bool, system: str | None, stats: 
         start = time.monotonic()
         handle = service.submit(request, params, session="cli")
         out = _write_answer(handle)
+        if out.logprobs:
+            from zipage.cli.logprob_table import logprob_table
+
+            sys.stdout.write("\n" + logprob_table(service.tokenizer, out.logprobs))
         _check_complete(out, params.max_tokens)
         if stats:
             seconds = time.monotonic() - start

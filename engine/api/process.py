@@ -9,11 +9,11 @@ multiprocessing connection: Submit (prompt ids, SamplingParams, session and a ke
 TakeSnapshot (answered after the next step, under its key), TakeKept (taken before the next step,
 answered under its key) and Close (abort everything and exit). The child answers, in frames the
 parent reads without blocking (frames.py), with at most one `Turn` per loop turn (one engine step):
-what became of the submits it took, the new token ids of every running request, the requests that
-ended, the engine's new events and the snapshots and kept maps asked for. The child detokenizes only
-requests with stop strings (the engine must match them); for the others it submits with
-`stream=False`, reads their new ids off the engine's sequences, and leaves the text to the parent
-(request_stream.py).
+what became of the submits it took, the new token ids of every running request (with their
+logprobs, and a prompt's once, where asked), the requests that ended, the engine's new events and
+the snapshots and kept maps asked for. The child detokenizes only requests with stop strings (the
+engine must match them); for the others it submits with `stream=False`, reads their new ids off the
+engine's sequences, and leaves the text to the parent (request_stream.py).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class Turn:
     refused: list[tuple[int, ValueError]] = field(default_factory=list)  # (key, why); PromptTooLong stays one
     # (request id, new output ids, text delta): the delta is None when the parent detokenizes
     tokens: list[tuple[int, list[int], str | None]] = field(default_factory=list)
+    # Where asked, beside those ids: (request id, their TokenLogprobs, the prompt's with the first ids else None)
+    logprobs: list[tuple[int, list, list | None]] = field(default_factory=list)
     ended: list[RequestOutput] = field(default_factory=list)  # final outputs, every output id in them
     events: list[Event] = field(default_factory=list)
     snapshot: tuple[list[int], EngineSnapshot] | None = None  # (keys that asked, the snapshot)
@@ -61,8 +63,8 @@ class Turn:
     failure: str | None = None  # the loop broke: the child exits after this turn
 
     def __bool__(self) -> bool:
-        return bool(self.accepted or self.refused or self.tokens or self.ended or self.events or self.snapshot
-                    or self.kept or self.failure)
+        return bool(self.accepted or self.refused or self.tokens or self.logprobs or self.ended or self.events
+                    or self.snapshot or self.kept or self.failure)
 
 
 # -- the child ------------------------------------------------------------------------------------
@@ -166,6 +168,8 @@ class EngineLoop(MessageHandler):
             n = len(seq.token_ids)
             if n > sent:
                 turn.tokens.append((request_id, seq.token_ids[sent:n], deltas.get(request_id)))
+                if seq.logprobs is not None or seq.prompt_logprobs is not None:
+                    turn.logprobs.append(_new_logprobs(request_id, seq, sent, n))
                 entry[1] = n
 
     def finish_turn(self, turn: Turn) -> None:
@@ -180,6 +184,13 @@ class EngineLoop(MessageHandler):
                 write_frame(self.out, turn)
             except BrokenPipeError:  # the parent is gone
                 self.closing = True
+
+
+def _new_logprobs(request_id: int, seq, sent: int, n: int) -> tuple[int, list, list | None]:
+    """The logprobs of tokens sent .. n - 1, and the prompt's with a request's first tokens."""
+    prompt = seq.num_prompt_tokens
+    new = seq.logprobs[sent - prompt:n - prompt] if seq.logprobs is not None else []
+    return request_id, new, seq.prompt_logprobs if sent == prompt else None
 
 
 # -- the parent -----------------------------------------------------------------------------------

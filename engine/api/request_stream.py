@@ -20,6 +20,8 @@ class RequestStream:
         self.id, self.session = request_id, session
         self.detok = None if params.stop else IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.ids: list[int] = []  # every output id so far
+        self.logprobs: list | None = [] if params.logprobs is not None else None  # one per id, where asked
+        self.prompt_logprobs: list | None = None  # until the first output takes them
         self.taken = 0  # of which the reader has had these
         self.engine_text: list[str] = []  # deltas from the engine, not yet taken
         self.final: RequestOutput | None = None
@@ -30,6 +32,13 @@ class RequestStream:
         self.ids += new_ids
         if delta:
             self.engine_text.append(delta)
+
+    def add_logprobs(self, new: list, prompt: list | None) -> None:
+        """The logprobs of the ids `add` just gave, and the prompt's with the first of them."""
+        if self.logprobs is not None:
+            self.logprobs += new
+        if prompt is not None:
+            self.prompt_logprobs = prompt
 
     def end(self, out: RequestOutput) -> None:
         """The engine's final output (every output id in it)."""
@@ -50,6 +59,7 @@ class RequestStream:
         ids = (final.token_ids if final is not None else self.ids)[self.taken:]
         if not ids and final is None:
             return None
+        given = self.taken
         self.taken += len(ids)
         if self.detok is not None:
             delta = self.detok.add(ids) if ids else ""
@@ -60,8 +70,12 @@ class RequestStream:
             self.engine_text.clear()
         self.text += delta
         if final is None:
+            prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None  # the first output's alone
             return RequestOutput(self.id, self.session, [], [], self.text, delta, False, new_token_ids=list(ids),
-                                 num_output_tokens=self.taken)
+                                 num_output_tokens=self.taken, prompt_logprobs=prompt_logprobs,
+                                 new_logprobs=self.logprobs[given:self.taken] if self.logprobs is not None else None)
         final.delta, final.new_token_ids, final.text = delta, list(ids), self.text
+        if final.logprobs is not None:
+            final.new_logprobs = final.logprobs[given:self.taken]
         self.finished = True
         return final

@@ -228,15 +228,15 @@ class EngineCore:
             return outputs
         tokens, failed = self._collect(launched)
         self._apply_computed(batch, time.monotonic() - launched.started)
-        return outputs + failed + self._apply_tokens(batch, tokens)
+        return outputs + failed + self._apply_tokens(batch, tokens, launched.token_logprobs)
 
     # -- overlapped decode: step N+1 is queued on the device before step N's ids are read ----------
     def _may_overlap(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before this batch's tokens are known: plain decode,
-        and nothing needs the host to see a token before the next forward (a repetition penalty
-        reads the whole context, teacher forcing and logit observers replace or read each row)."""
+        and nothing needs the host to see a token before the next forward (penalties read the tokens,
+        teacher forcing and logit observers replace or read each row)."""
         return (self.overlap and not batch.is_prefill and self.runner.logits_observer is None
-                and all(seq.params.repetition_penalty == 1.0 and seq.forced_tokens is None for seq in batch.seqs))
+                and all(not seq.params.penalised and seq.forced_tokens is None for seq in batch.seqs))
 
     def _overlapped_step(self) -> list[RequestOutput] | None:
         """Queue the next decode step behind the one in flight, then read and apply the one in flight.
@@ -271,7 +271,7 @@ class EngineCore:
             self.inflight = launched
             return outputs
         tokens, failed = self._collect(launched)
-        return outputs + failed + self._apply_tokens(batch, tokens)
+        return outputs + failed + self._apply_tokens(batch, tokens, launched.token_logprobs)
 
     def finish_inflight(self) -> list[RequestOutput]:
         """Read the step in flight now, so nothing is left queued (a paused engine, or one stepped by
@@ -287,7 +287,7 @@ class EngineCore:
     def _collect_inflight(self) -> list[RequestOutput]:
         launched, self.inflight = self.inflight, None
         tokens, failed = self._collect(launched)
-        return failed + self._apply_tokens(launched.batch, tokens)
+        return failed + self._apply_tokens(launched.batch, tokens, launched.token_logprobs)
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep | list[RequestOutput]:
         """Queue the batch's forward; a failure ends the requests in it (not the engine)."""
@@ -332,17 +332,23 @@ class EngineCore:
         if prefilled:
             self.scheduler.chunks.observe(prefilled + decoded, seconds)
 
-    def _apply_tokens(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+    def _apply_tokens(self, batch: ScheduledBatch, tokens: list[int | None],
+                      logprobs: list | None = None) -> list[RequestOutput]:
         """Append each sampled token (in place of its placeholder when the next step was planned
-        already), check the stop conditions, report."""
+        already) and its logprobs where asked, check the stop conditions, report."""
         outputs = []
-        for seq, token in zip(batch.seqs, tokens):
+        for i, (seq, token) in enumerate(zip(batch.seqs, tokens)):
             if token is None or seq.is_finished:
+                continue
+            if seq.params.max_tokens == 0:  # it only scored its prompt: its prefill is all it asked for
+                outputs.append(self._finish(seq, "length"))
                 continue
             if seq.expects_token:
                 seq.fill_token(token)
             else:
                 seq.append_token(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             self.latency.token(seq.id, seq.arrival_time)
             self.totals["generated_tokens"] += 1
             out = self._after_token(seq, token)
@@ -412,6 +418,7 @@ class EngineCore:
             return None
         out = self._output(seq, delta, finished=False)
         out.new_token_ids = [token]
+        out.new_logprobs = seq.logprobs[-1:] if seq.logprobs is not None else None
         return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
@@ -451,8 +458,13 @@ class EngineCore:
             prompt_ids, output_ids = seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids
         else:
             prompt_ids, output_ids = [], []
+        # Logprobs where asked: all of them when finished; the prompt's on the first output too.
+        logprobs = list(seq.logprobs) if finished and seq.logprobs is not None else None
+        first = finished or seq.num_output_tokens == 1
+        prompt_logprobs = list(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None
         return RequestOutput(seq.id, seq.session, prompt_ids, output_ids, text, delta, finished,
-                             seq.finish_reason, seq.error, metrics, num_output_tokens=seq.num_output_tokens)
+                             seq.finish_reason, seq.error, metrics, num_output_tokens=seq.num_output_tokens,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _log(self, event: Event) -> None:
         self.events.append(event)

@@ -25,6 +25,13 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     new_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    # Only where SamplingParams asked for them (docs/design-notes.md, "Log-probabilities"): one
+    # TokenLogprobs (zipage.engine.logprobs) per output token when finished, else None; one per new
+    # token, beside new_token_ids; and one per prompt token (None for the first, which nothing
+    # predicts) on the request's first output and on its finished one.
+    logprobs: list | None = None
+    new_logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class PromptTooLong(ValueError):

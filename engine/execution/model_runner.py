@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from zipage.engine.execution.cuda_graphs import DecodeGraphs
 from zipage.engine.execution.models import CausalLM, ForwardBatch, head_dim_of
 from zipage.engine.execution.models.parallel import TensorParallel
 from zipage.engine.execution.sampler import Sampler, upload
+from zipage.engine.execution.token_logprobs import PROMPT_ROWS_AT_ONCE, PromptScoring, reduce_rows, to_host, unpack_rows
 from zipage.engine.scheduling.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,9 +35,15 @@ class LaunchedStep:
     sampling: list[int]  # batch index of each sampled row
     ids: torch.Tensor | None = None  # [rows] sampled ids, on the device
     host_ids: torch.Tensor | None = None  # their host copy (pinned, written asynchronously on CUDA)
-    ready: "torch.cuda.Event | None" = None  # recorded after the copy
+    ready: "torch.cuda.Event | None" = None  # recorded after the step's copies
     logits: torch.Tensor | None = None  # kept only for a logits observer (evaluation)
     started: float = 0.0  # time.monotonic() at launch
+    # Log-probabilities, where asked (token_logprobs.py): the sampling rows whose requests asked, the host
+    # copy of their reduced rows (ready with the ids), and the prompt positions scored.
+    logprob_rows: list[int] = field(default_factory=list)
+    logprobs: torch.Tensor | None = None
+    prompt: PromptScoring | None = None
+    token_logprobs: list | None = None  # after `collect`: each sequence's TokenLogprobs, or None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -353,9 +360,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_packed(self, packed: torch.Tensor, header: dict,
-                       inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                       inputs_from: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       prompt: PromptScoring | None = None) -> torch.Tensor | None:
         """Forward a packed batch; the logits of its sampling rows, or None when none samples.
-        Every rank runs this in step: the collectives inside pair up."""
+        Every rank runs this in step: the collectives inside pair up. The prompt rows the header
+        names (only prefill chunks have any) go to `prompt` on rank 0."""
         rows = header["sample_rows"]
         if (not header["is_prefill"] and self.graphs is not None
                 and self.graphs.fits(header["num_seqs"], header["width"])):
@@ -368,11 +377,21 @@ class ModelRunner:
         input_ids, positions, fwd = self.unpack(packed, header, inputs_from=inputs_from)
         self._record_positions(fwd.slot_mapping, positions)
         hidden = self.model(input_ids, positions, fwd)
+        if header.get("prompt_rows"):
+            self._score_prompt(hidden, header["prompt_rows"], prompt)
         if not rows:
             return None
         if len(rows) < hidden.shape[0]:
             hidden = hidden[upload(rows, self.device)]
         return self.model.logits(hidden)
+
+    def _score_prompt(self, hidden: torch.Tensor, rows: list[int], prompt: PromptScoring | None) -> None:
+        """The logits of the prompt rows, a slice at a time, each reduced at once; the other ranks only
+        join the logits' gather (prompt is None there)."""
+        for start in range(0, len(rows), PROMPT_ROWS_AT_ONCE):
+            logits = self.model.logits(hidden[upload(rows[start:start + PROMPT_ROWS_AT_ONCE], self.device)])
+            if prompt is not None:
+                prompt.reduce(logits, start)
 
     def _record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Each KV entry this forward writes takes its token position, in every layer and head, where
@@ -397,25 +416,43 @@ class ModelRunner:
         With `previous`, the input of every request that sampled there is its id from that step,
         read on the device: the host never waited for it."""
         packed, header, sampling = self.pack(batch)
+        prompt = PromptScoring.plan(batch)
+        if prompt is not None:
+            header["prompt_rows"] = prompt.rows
         inputs_from = self._inputs_from(batch, previous) if previous is not None else None
         if self.workers is not None:
             self.workers.send("forward", packed, header)
-        logits = self.forward_packed(packed, header, inputs_from)
-        step = LaunchedStep(batch, sampling)
-        if logits is None:
-            return step
-        requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
-        step.ids = self.sampler.sample_on_device(logits, requests)
-        if self.logits_observer is not None:
-            step.logits = logits
-        if self.device.type == "cuda":
-            step.host_ids = torch.empty(step.ids.shape, dtype=step.ids.dtype, pin_memory=True)
-            step.host_ids.copy_(step.ids, non_blocking=True)
-            step.ready = torch.cuda.Event()
+        logits = self.forward_packed(packed, header, inputs_from, prompt)
+        step = LaunchedStep(batch, sampling, prompt=prompt)
+        if logits is not None:
+            requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
+            prompt_lens = [batch.seqs[i].num_prompt_tokens for i in sampling]
+            step.ids = self.sampler.sample_on_device(logits, requests, prompt_lens)
+            step.logprob_rows = [row for row, i in enumerate(sampling) if batch.seqs[i].params.logprobs is not None]
+            if step.logprob_rows:
+                step.logprobs = to_host(self._token_logprobs(step, logits))
+            if self.logits_observer is not None:
+                step.logits = logits
+            step.host_ids = to_host(step.ids)
+        if prompt is not None:
+            prompt.copy_to_host()
+        if self.device.type == "cuda" and (step.ids is not None or prompt is not None):
+            step.ready = torch.cuda.Event()  # after every copy of the step
             step.ready.record()
-        else:
-            step.host_ids = step.ids
         return step
+
+    def _token_logprobs(self, step: LaunchedStep, logits: torch.Tensor) -> torch.Tensor:
+        """The reduced rows (token_logprobs.py) of the sampled tokens whose requests asked, from the raw
+        logits sampling started from; a teacher-forced token is scored in place of the sampled one."""
+        seqs = [step.batch.seqs[step.sampling[row]] for row in step.logprob_rows]
+        index = upload(step.logprob_rows, self.device)
+        targets = step.ids.index_select(0, index)
+        forced = [(n, seq.forced_tokens[seq.num_output_tokens]) for n, seq in enumerate(seqs)
+                  if seq.forced_tokens is not None and seq.num_output_tokens < len(seq.forced_tokens)]
+        if forced:
+            targets = targets.index_copy(0, upload([n for n, _ in forced], self.device),
+                                         upload([token for _, token in forced], self.device))
+        return reduce_rows(logits.index_select(0, index), targets, max(seq.params.logprobs for seq in seqs))
 
     def _inputs_from(self, batch: ScheduledBatch, previous: LaunchedStep) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of this batch, their ids): the ids `previous` sampled for the same requests."""
@@ -429,12 +466,15 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> list[int | None]:
         """The sampled token of each sequence of a launched batch (None where it did not sample);
-        waits for that step's copy only."""
+        waits for that step's copy only. Prompt logprobs it scored go to their sequences, and the
+        logprobs of its tokens to `step.token_logprobs`."""
         out: list[int | None] = [None] * len(step.batch.seqs)
-        if step.ids is None:
-            return out
         if step.ready is not None:
             step.ready.synchronize()
+        if step.prompt is not None:
+            step.prompt.record()
+        if step.ids is None:
+            return out
         tokens = step.host_ids.tolist()
         for row, (i, token) in enumerate(zip(step.sampling, tokens)):
             seq = step.batch.seqs[i]
@@ -444,6 +484,13 @@ class ModelRunner:
                 token = seq.forced_tokens[seq.num_output_tokens]
             out[i] = token
         step.logits = None
+        if step.logprobs is not None:
+            indexes = [step.sampling[row] for row in step.logprob_rows]
+            entries = unpack_rows(step.logprobs, [out[i] for i in indexes],
+                                  [step.batch.seqs[i].params.logprobs for i in indexes])
+            step.token_logprobs = [None] * len(out)
+            for i, entry in zip(indexes, entries):
+                step.token_logprobs[i] = entry
         return out
 
     def run(self, batch: ScheduledBatch) -> list[int | None]:

@@ -1,10 +1,12 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, min-p, repetition penalty, per-request seeds."""
+"""Next-token choice: greedy, temperature, top-k, top-p, min-p, repetition, frequency and presence penalties,
+per-request seeds."""
 
 from __future__ import annotations
 
 import torch
 
 from zipage.engine.config import SamplingParams
+from zipage.engine.execution.penalties import apply_count_penalties
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
@@ -61,13 +63,15 @@ class Sampler:
             self._device_generators[device] = torch.Generator(device=device)
         return self._device_generators[device]
 
-    def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]]
-               ) -> list[int]:
-        """logits [batch, vocab] (float32, CPU or GPU); one (params, context ids, generator) per row."""
-        return self.sample_on_device(logits, requests).tolist()
+    def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]],
+               prompt_lens: list[int] | None = None) -> list[int]:
+        """logits [batch, vocab] (float32, CPU or GPU); one (params, context ids, generator) per row.
+        `prompt_lens`: how many of each row's context ids are its prompt (None: none are)."""
+        return self.sample_on_device(logits, requests, prompt_lens).tolist()
 
     def sample_on_device(self, logits: torch.Tensor,
-                         requests: list[tuple[SamplingParams, list[int], torch.Generator | None]]) -> torch.Tensor:
+                         requests: list[tuple[SamplingParams, list[int], torch.Generator | None]],
+                         prompt_lens: list[int] | None = None) -> torch.Tensor:
         """The chosen id of every row as an int64 tensor on the logits' device, without a host sync:
         the caller copies it to the host when it needs the ids."""
         logits = logits.float()
@@ -77,6 +81,11 @@ class Sampler:
             for i in penalised:
                 params, context, _ = requests[i]
                 logits[i] = apply_repetition_penalty(logits[i], context, params.repetition_penalty)
+        counted = [i for i, (p, _, _) in enumerate(requests) if p.frequency_penalty or p.presence_penalty]
+        if counted:  # these count the output only: each row's context past its prompt
+            starts = prompt_lens or [0] * len(requests)
+            logits = apply_count_penalties(logits, counted, [requests[i][0] for i in counted],
+                                           [requests[i][1][starts[i]:] for i in counted])
         choice = logits.argmax(-1)  # greedy rows; sampled rows are overwritten below
         sampled = [i for i, (p, _, _) in enumerate(requests) if not p.greedy]
         if not sampled:

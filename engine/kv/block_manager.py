@@ -89,6 +89,8 @@ class BlockManager:
         limit = seq.num_tokens - 1
         if self.max_cached_tokens is not None:
             limit = min(limit, self.max_cached_tokens(seq))
+        if seq.prompt_logprobs is not None:  # only a forward scores a prompt (design-notes, "Log-probabilities")
+            limit = min(limit, seq.prompt_scored)
         for i in range(max(limit, 0) // self.block_size):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             prev = block_hash(tokens, prev)

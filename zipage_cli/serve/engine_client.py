@@ -3,7 +3,9 @@
 The loop reads the child's turns itself, with a reader on the pipe: one callback per engine step
 hands every request its new token ids, with no thread or lock in between. A request's reader takes
 what has gathered when it is ready for more, as one output: text is detokenized then, once for all
-the ids it finds, so a reader that lags sends fewer, larger chunks and catches up.
+the ids it finds, so a reader that lags sends fewer, larger chunks and catches up. Several prompts
+of one API call are submitted together, one engine request each, and read as one stream
+(`SubmittedTogether`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zipage.engine.config import SamplingParams
 from zipage.engine.core.outputs import PromptTooLong, RequestOutput
@@ -26,11 +28,12 @@ SNAPSHOT_MAX_AGE_S = 0.25  # a snapshot younger than this is served again rather
 
 
 class Feed:
-    """One request's outputs for its reader on the event loop."""
+    """One request's outputs on the event loop: its stream, and the event set when something arrives,
+    which the requests submitted together share, so that one reader waits on all of them."""
 
-    def __init__(self, stream: RequestStream):
+    def __init__(self, stream: RequestStream, arrived: asyncio.Event):
         self.stream = stream
-        self.arrived = asyncio.Event()
+        self.arrived = arrived
 
     async def next(self) -> RequestOutput:
         """Everything new since the last call, as one output (finished: the last one)."""
@@ -49,6 +52,26 @@ class Submitted:
     id: int
     prompt_tokens: int
     feed: Feed
+    prompt_ids: list[int] = field(default_factory=list)  # what a stream that echoes the prompt shows
+
+
+@dataclass
+class SubmittedTogether:
+    """Requests submitted in one call, one per prompt in prompt order, read as one stream."""
+
+    requests: list[Submitted]
+    arrived: asyncio.Event  # the event all their feeds set
+
+    async def next(self) -> list[tuple[int, RequestOutput]]:
+        """(index, output) of every request with something new since the last call (at least one); each
+        output holds everything of its request since its last one. Call it while one is unfinished."""
+        while True:
+            news = [(index, out) for index, request in enumerate(self.requests)
+                    if (out := request.feed.stream.take()) is not None]
+            if news:
+                return news
+            self.arrived.clear()
+            await self.arrived.wait()
 
 
 class EngineClient:
@@ -62,7 +85,7 @@ class EngineClient:
         self.failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._keys = itertools.count()
-        self._submits: dict[int, tuple[asyncio.Future, SamplingParams, str | None]] = {}
+        self._submits: dict[int, tuple[asyncio.Future, SamplingParams, str | None, asyncio.Event]] = {}
         self._feeds: dict[int, Feed] = {}
         self._snapshot_waiters: dict[int, asyncio.Future] = {}
         self._kept_waiters: dict[int, asyncio.Future] = {}
@@ -90,19 +113,62 @@ class EngineClient:
     async def submit(self, prompt, params: SamplingParams, session: str | None = None) -> Submitted:
         """Tokenize here, then hand the request to the engine. ValueError for a prompt or request the
         engine refuses (the message says why), EngineGone when there is no engine to take it."""
+        return (await self.submit_all([prompt], params, session)).requests[0]
+
+    async def submit_all(self, prompts: list, params: SamplingParams, session: str | None = None
+                         ) -> SubmittedTogether:
+        """Each prompt as an engine request of its own, sent together so that the engine batches them.
+        Every prompt is read and checked before any is sent; if the engine refuses one, those it took
+        are aborted. A ValueError names the prompt's index when there are several; EngineGone when
+        there is no engine to take them."""
         self._check_alive()
-        ids = await asyncio.to_thread(self.read_prompt, prompt)  # long texts must not stall the loop
-        self.check_room(len(ids), params)
+        all_ids = await asyncio.to_thread(self._read_all, prompts, params)  # long texts must not stall the loop
         self._check_alive()
+        arrived = asyncio.Event()
+        waiting = []
+        try:
+            for ids in all_ids:
+                waiting.append(self._send(ids, params, session, arrived))
+        except EngineGone:
+            for accepted in waiting:  # one the engine takes all the same is aborted (_apply)
+                accepted.cancel()
+            raise
+        answers = await asyncio.gather(*waiting, return_exceptions=True)
+        refused = [(index, why) for index, why in enumerate(answers) if isinstance(why, BaseException)]
+        if refused:
+            for answer in answers:
+                if isinstance(answer, Submitted):
+                    self.abort(answer.id)
+            index, why = refused[0]
+            raise _labelled(why, index, len(prompts)) if isinstance(why, ValueError) else why
+        for answer, ids in zip(answers, all_ids):
+            answer.prompt_ids = ids
+        return SubmittedTogether(answers, arrived)
+
+    def _read_all(self, prompts: list, params: SamplingParams) -> list[list[int]]:
+        """Every prompt's ids, each checked to fit the context with its answer."""
+        all_ids = []
+        for index, prompt in enumerate(prompts):
+            try:
+                ids = self.read_prompt(prompt)
+                self.check_room(len(ids), params)
+            except ValueError as e:
+                raise _labelled(e, index, len(prompts)) from None
+            all_ids.append(ids)
+        return all_ids
+
+    def _send(self, ids: list[int], params: SamplingParams, session: str | None,
+              arrived: asyncio.Event) -> asyncio.Future:
+        """Hand one request to the engine: a future of its Submitted, or of why the engine refused it."""
         key = next(self._keys)
         accepted = self._loop.create_future()
-        self._submits[key] = (accepted, params, session)
+        self._submits[key] = (accepted, params, session, arrived)
         try:
             self.process.send(Submit(ids, params, session, key=key))
         except EngineGone:
             del self._submits[key]
             raise
-        return await accepted
+        return accepted
 
     def read_prompt(self, prompt) -> list[int]:
         """The prompt's token ids (text, ids, chat messages or a Chat); PromptTooLong, before any
@@ -194,8 +260,9 @@ class EngineClient:
     def _apply(self, turn: Turn) -> None:
         feeds = self._feeds
         for key, request_id, prompt_tokens in turn.accepted:
-            accepted, params, session = self._submits.pop(key)
-            feed = feeds[request_id] = Feed(RequestStream(request_id, session, self.process.tokenizer, params))
+            accepted, params, session, arrived = self._submits.pop(key)
+            feed = feeds[request_id] = Feed(RequestStream(request_id, session, self.process.tokenizer, params),
+                                            arrived)
             if accepted.cancelled():  # its caller left while the engine took it
                 self.abort(request_id)
             else:  # it may end before its caller runs again: the feed goes along
@@ -209,6 +276,10 @@ class EngineClient:
             if feed is not None:
                 feed.stream.add(ids, delta)
                 feed.arrived.set()
+        for request_id, new, prompt in turn.logprobs:
+            feed = feeds.get(request_id)
+            if feed is not None:
+                feed.stream.add_logprobs(new, prompt)
         for out in turn.ended:
             feed = feeds.pop(out.id, None)
             if feed is not None:
@@ -257,3 +328,11 @@ class EngineClient:
             if not waiter.done():
                 waiter.set_exception(EngineGone(reason))
         self._kept_waiters.clear()
+
+
+def _labelled(e: ValueError, index: int, count: int) -> ValueError:
+    """Why the prompt at `index` was refused, saying which one when there are several (of the same
+    type, so that a PromptTooLong stays one)."""
+    if count == 1:
+        return e
+    return (PromptTooLong if isinstance(e, PromptTooLong) else ValueError)(f"prompt[{index}]: {e}")

@@ -138,6 +138,10 @@ class ServerMetrics:
         self.aborted.labels(CLIENT_DISCONNECTED).inc()
         self.finished.labels("abort").inc()
 
+    def count_dropped(self) -> None:
+        """A request stopped because another prompt of its call failed: a call ends as a whole."""
+        self.finished.labels("abort").inc()
+
     def count_shutdown_end(self) -> None:
         """A request the shutdown ended (its output, finished with an error, is counted as it streams)."""
         self.aborted.labels(SHUTDOWN).inc()

@@ -8,9 +8,10 @@ import math
 import re
 import time
 
-from zipage.engine.config import SamplingParams
+from zipage.engine.config import MAX_LOGPROBS, SamplingParams
 from zipage.engine.core.outputs import PromptTooLong, RequestOutput
 from zipage.engine.loading.prompts import Chat
+from zipage.cli.serve.logprobs import LogprobReply
 
 MAX_MESSAGE_CHARS = 2000  # an error message quotes what it refuses; a huge value is cut short
 
@@ -51,14 +52,13 @@ def from_value_error(e: ValueError) -> ApiError:
     """The engine's ValueErrors read "field=value: why"; the field becomes the error's param."""
     if isinstance(e, PromptTooLong):
         return bad_request(str(e), code=CONTEXT_LENGTH_EXCEEDED)
-    field = re.match(r"([a-z_]+)=", str(e))
+    field = re.match(r"(?:prompt\[\d+\]: )?([a-z_]+)=", str(e))  # after the index of a prompt among several
     return bad_request(str(e), field.group(1) if field else None)
 
 
 # Fields the engine has no use for: refused unless they carry their neutral value, so that a client never
 # silently gets something other than what it asked for.
-NEUTRAL_VALUES = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0),
-                  "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],),
+NEUTRAL_VALUES = {"best_of": (1,), "logit_bias": ({},), "tools": ([],),
                   "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
                   "tool_choice": ("none",), "function_call": ("none",)}
 
@@ -69,15 +69,17 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 # Sampling fields taken as they come; SamplingParams validates them. kv_budget is the request's own KV
 # budget in blocks; one the engine cannot hold (past its pool, or with compression off) is refused when the
 # engine takes the request, and that ValueError is a 400 too (docs/design-notes.md, "Budgets").
-PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "kv_budget")
-REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")  # the rest of them are integers
+PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "seed", "kv_budget")
+REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+               "presence_penalty")  # the rest of them are integers
 
 # Every field a body may carry; any other is refused by name rather than ignored.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
                            "stop", "n", "ignore_eos", "return_token_ids", *PASSED_THROUGH, *NEUTRAL_VALUES})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
-                               "chat_template_kwargs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+                               "chat_template_kwargs", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 
 # Bounds on what one request may carry, each far past any real use: every stop string is matched against
 # the whole new text at each step (and the longest is held back from streaming), every message is rendered
@@ -87,6 +89,7 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 2048
 MAX_USER_CHARS = 512
 MAX_NESTING = 32  # of JSON arrays and objects; a chat body needs five
+MAX_PROMPTS = 256  # prompts in one completions request, each an engine request of its own
 
 
 # -- the body ----------------------------------------------------------------------------------
@@ -194,11 +197,11 @@ def check_bool(body: dict, name: str) -> bool:
 
 
 # -- sampling ----------------------------------------------------------------------------------
-def sampling_params(body: dict, max_model_len: int) -> SamplingParams:
-    """SamplingParams from a chat or completions body; a bad or unsupported value raises ApiError (400).
-    Without max_tokens, max_tokens is max_model_len: the answer may run to the end of the context, as
-    with vLLM. A max_tokens given must leave room for the prompt (EngineClient checks it once the prompt
-    is read), so one of max_model_len or more is refused here."""
+def sampling_params(body: dict, max_model_len: int, chat: bool = False) -> SamplingParams:
+    """SamplingParams from a chat (`chat`) or completions body; a bad or unsupported value raises ApiError
+    (400). Without max_tokens, max_tokens is max_model_len: the answer may run to the end of the context,
+    as with vLLM. A max_tokens given must leave room for the prompt (EngineClient checks it once the
+    prompt is read), so one of max_model_len or more is refused here."""
     check_n(body)
     for name, neutral in NEUTRAL_VALUES.items():
         value = body.get(name)
@@ -209,12 +212,41 @@ def sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     stop = stop_strings(body)
     ignore_eos = check_bool(body, "ignore_eos") or False
     max_tokens = requested_max_tokens(body, max_model_len)
+    if max_tokens == 0 and (chat or not body.get("echo")):
+        raise bad_request("max_tokens=0: generates nothing, which is taken only on /v1/completions with echo=true "
+                          "(to score the prompt)", "max_tokens")
     fields = {name: body[name] for name in PASSED_THROUGH if body.get(name) is not None}
+    fields.update(chat_logprobs(body) if chat else completion_logprobs(body, max_tokens))
     try:
         return SamplingParams(**fields, max_tokens=max_model_len if max_tokens is None else max_tokens, stop=stop,
                               ignore_eos=ignore_eos)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def chat_logprobs(body: dict) -> dict:
+    """The engine's logprobs of a chat body: `logprobs` true for each token's, `top_logprobs` (which needs
+    it) for that many alternatives (docs/serving.md, "Log-probabilities")."""
+    wanted = check_bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise bad_request(f"top_logprobs={top!r}: must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    return {"logprobs": top or 0} if wanted else {}
+
+
+def completion_logprobs(body: dict, max_tokens: int | None) -> dict:
+    """The engine's logprobs of a completions body: `logprobs` k for each token's and its k alternatives;
+    with `echo`, the prompt's as well (and with max_tokens 0, which only scores the prompt)."""
+    top = body.get("logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise bad_request(f"logprobs={top!r}: must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+    echo = check_bool(body, "echo")
+    fields = {"logprobs": top}
+    if echo and (top is not None or max_tokens == 0):
+        fields["prompt_logprobs"] = top or 0
+    return fields
 
 
 def check_n(body: dict) -> None:
@@ -308,17 +340,24 @@ def chat_template_options(body: dict) -> dict:
             "template_kwargs": kwargs}
 
 
-def completion_prompt(body: dict) -> str | list[int]:
-    """One prompt: a string or a list of token ids (also either of them wrapped in a one-item list)."""
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """The prompts, in order: a string or a list of token ids is one prompt; a list of strings or a list of
+    token-id lists is one prompt each, at most MAX_PROMPTS of them."""
     check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or (_token_ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt: {len(prompt)} prompts; at most {MAX_PROMPTS} are taken in one request", "prompt")
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_token_ids(p) for p in prompt)):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise bad_request("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of strings or of "
+                      "token-id lists (all of one kind)", "prompt")
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)  # a bool is no token id
 
 
 def stream_options(body: dict) -> bool:
@@ -349,33 +388,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Reply:
     """Builds the bodies of one answer: `chat` for /v1/chat/completions, else /v1/completions."""
 
-    def __init__(self, chat: bool, request_id: int, model: str, prompt_tokens: int, token_ids: bool = False):
+    def __init__(self, chat: bool, request_id: int, model: str, prompt_tokens: int, token_ids: bool = False,
+                 logprobs: LogprobReply | None = None):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.token_ids = token_ids  # also return token ids (as vLLM's return_token_ids does)
+        self.logprobs = logprobs  # each choice's logprobs and echoed prompt, where asked
 
     def _envelope(self, choices: list, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+    def full(self, outs: list[RequestOutput]) -> dict:
+        """The whole answer: one choice per prompt, its `index` the prompt's place in the request."""
+        body = self._envelope([self._choice(out, index) for index, out in enumerate(outs)], chunk=False)
+        body["usage"] = usage(self.prompt_tokens, sum(len(out.token_ids) for out in outs))
+        if self.token_ids and len(outs) == 1:
+            body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        elif self.token_ids:  # several prompts: each choice carries its own, where vLLM puts them
+            for choice, out in zip(body["choices"], outs):
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return body
+
+    def _choice(self, out: RequestOutput, index: int) -> dict:
+        choice = {"index": index, "finish_reason": out.finish_reason, "logprobs": None}
+        echo = ""
+        if self.logprobs is not None:
+            echo, choice["logprobs"] = self.logprobs.full(index, out)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice["text"] = out.text
+            choice["text"] = echo + out.text
         if self.token_ids:
             choice["token_ids"] = list(out.token_ids)
-        body = self._envelope([choice], chunk=False)
-        body["usage"] = usage(self.prompt_tokens, len(out.token_ids))
-        if self.token_ids:
-            body["prompt_token_ids"] = list(out.prompt_token_ids)
-        return body
+        return choice
 
     def chunk(self, text: str, finish_reason: str | None = None, new_token_ids: list[int] | None = None,
-              role: bool = False) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+              role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+        """A stream chunk of the prompt at `index` (its choice's index)."""
+        choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if role
                                else {"content": text} if text or finish_reason is None else {})

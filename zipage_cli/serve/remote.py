@@ -187,6 +187,7 @@ class RemoteEngine:
         body = {"model": self.config.model, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True, "user": session, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
                 "max_tokens": params.max_tokens, "seed": params.seed, "stop": params.stop or None,
                 "ignore_eos": params.ignore_eos, "kv_budget": params.kv_budget,
                 ("messages" if chat else "prompt"): prompt}

@@ -2,7 +2,8 @@
 
 The engine runs in a child process (engine/api/process.py); this process holds HTTP, tokenizing and
 detokenizing, and its event loop receives every request's new tokens once per engine step
-(engine_client.py). A client that goes away aborts its request, which frees its blocks.
+(engine_client.py). Each prompt of a call is an engine request of its own, and the call is served or
+ended as a whole: a client that goes away aborts all its requests, which frees their blocks.
 `/zipage/snapshot`, `/zipage/config`, `/zipage/events` and `/zipage/requests/{id}/kept` carry what the
 console panes draw, for `zipage top|chat --attach`. What a client may send or hold (body size, content
 type, CORS origins, timeouts, connections), the graceful shutdown and the health rules are
@@ -14,6 +15,7 @@ lifecycle.py.
 """
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import asdict
@@ -24,7 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,8 +34,9 @@ from zipage.engine.core.outputs import RequestOutput, UnknownRequest
 from zipage.engine.events import event_to_dict, snapshot_to_dict
 from zipage.engine.api.process import EngineGone
 from zipage.cli.serve import openai_protocol as api
-from zipage.cli.serve.engine_client import EngineClient, Submitted
+from zipage.cli.serve.engine_client import EngineClient, SubmittedTogether
 from zipage.cli.serve.guards import ApiKeyGuard, RequestLimits, ServeLimits, error_reason, refuse
+from zipage.cli.serve.logprobs import LogprobReply, TokenTexts
 from zipage.cli.serve.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
 from zipage.cli.serve.serving import Serving, ShutdownGrace, engine_lifespan
 
@@ -48,69 +51,98 @@ def sse(data) -> str:
 
 
 class Generation:
-    """One request inside the engine, seen from the event loop: its outputs in order, its latencies
-    recorded, and an abort if the consumer stops before the end."""
+    """The engine requests of one API call, one per prompt, seen from the event loop: their outputs as
+    they come, their latencies recorded, and the call served or ended as a whole: when the consumer
+    stops before the end (its client left, or one prompt failed), every request not finished is aborted."""
 
     def __init__(self, serving: Serving):
         self.serving = serving
         self.engine = serving.engine
-        self.latency = LatencyTracker(serving.metrics)
-        self.request: Submitted | None = None
-        self.finished = self.ended = False
+        self.batch: SubmittedTogether | None = None
+        self.latencies: list[LatencyTracker] = []
+        self.unfinished: set[int] = set()  # the prompts whose final output has not come
+        self.failed = self.ended = False
 
-    async def start(self, prompt, params, session: str | None) -> "Generation":
+    async def start(self, prompts: list, params, session: str | None) -> "Generation":
         try:
-            self.request = await self.engine.submit(prompt, params, session)
+            self.batch = await self.engine.submit_all(prompts, params, session)
         except ValueError as e:  # bad prompt, too long, ...
             raise api.from_value_error(e) from None
         except EngineGone as e:
             raise api.ApiError(503, f"the engine is not running: {e}", code="engine_unavailable",
                                kind="server_error") from None
-        self.serving.requests.add(self.request.id)
+        self.latencies = [LatencyTracker(self.serving.metrics) for _ in self.batch.requests]
+        self.unfinished = set(range(len(self.batch.requests)))
+        for request_id in self.ids:
+            self.serving.requests.add(request_id)
         return self
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Its outputs until the finished one; each holds everything that arrived since the one before
-        (a slow reader gets fewer, larger ones)."""
-        feed = self.request.feed
+    @property
+    def ids(self) -> list[int]:
+        """The engine's ids of its requests, in prompt order."""
+        return [request.id for request in self.batch.requests]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(request.prompt_tokens for request in self.batch.requests)
+
+    async def outputs(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """What arrived, as (prompt index, output) pairs, until every prompt's final output; each output
+        holds everything of its prompt since the one before (a slow reader gets fewer, larger ones)."""
         try:
-            while not self.finished:
-                out = await feed.next()
-                self.latency.observe(out)
-                self.finished = out.finished
-                yield out
+            while self.unfinished:
+                news = await self.batch.next()
+                for index, out in news:
+                    self.latencies[index].observe(out)
+                    if out.finished:
+                        self.unfinished.discard(index)
+                    if out.finish_reason == "error":
+                        self.failed = True
+                        if self.serving.shutdown.over:
+                            self.serving.metrics.count_shutdown_end()
+                yield news
         finally:
             self.end()
 
     def end(self) -> None:
-        """The request is no longer read: one not finished is aborted (its client left), which frees its
-        blocks. Idempotent; a stream's background task calls it too, for a stream that never started."""
-        if self.request is None or self.ended:
+        """The requests are no longer read: those not finished are aborted, which frees their blocks.
+        Idempotent; a stream's background task calls it too, for a stream that never started."""
+        if self.batch is None or self.ended:
             return
         self.ended = True
-        if not self.finished:
-            self.engine.abort(self.request.id)
-            self.serving.metrics.count_client_gone()
-        self.serving.requests.remove(self.request.id)
+        for index, request_id in enumerate(self.ids):
+            if index in self.unfinished:
+                self.engine.abort(request_id)
+                if self.failed:  # another prompt of the call failed
+                    self.serving.metrics.count_dropped()
+                else:
+                    self.serving.metrics.count_client_gone()
+            self.serving.requests.remove(request_id)
 
     def failure(self, out: RequestOutput) -> api.ApiError:
-        """What a request that ended with an error tells its client, counted as an error (and as ended
-        by the shutdown when the grace ended it)."""
+        """What a call whose request ended with an error tells its client: 503 when the shutdown's grace
+        ended it."""
         if self.serving.shutdown.over:
-            self.serving.metrics.count_shutdown_end()
             return api.ApiError(503, out.error or "the server is shutting down", code="shutting_down",
                                 kind="server_error")
         return api.ApiError(500, out.error or "the request failed", code="engine_failed", kind="server_error")
 
-    async def result(self, request: Request) -> RequestOutput | None:
-        """The final output, or None if the client disconnected first (the request is then aborted)."""
+    async def result(self, request: Request) -> list[RequestOutput] | None:
+        """Every prompt's final output, in prompt order, or None if the client disconnected first (the
+        requests are then aborted). The ApiError of the first that failed, the others aborted."""
 
-        async def last() -> RequestOutput:
-            async for out in self.outputs():
-                pass
-            return out
+        async def finals() -> list[RequestOutput]:
+            done = {}
+            async with contextlib.aclosing(self.outputs()) as outputs:
+                async for news in outputs:
+                    for index, out in news:
+                        if out.finish_reason == "error":
+                            raise self.failure(out)
+                        if out.finished:
+                            done[index] = out
+            return [done[index] for index in range(len(done))]
 
-        answer = asyncio.ensure_future(last())
+        answer = asyncio.ensure_future(finals())
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -138,6 +170,7 @@ class OpenAiEndpoints:
         self.model = self.engine.config.model
         self.max_model_len = self.engine.max_model_len
         self.started = int(time.time())
+        self.texts = TokenTexts(self.engine.process.tokenizer)  # each token's text, for logprobs
 
     def routes(self) -> list[Route]:
         return [
@@ -162,20 +195,32 @@ class OpenAiEndpoints:
 
     async def complete(self, request: Request, chat: bool) -> Response:
         body = await self.read_body(request)
-        prompt = api.chat_messages(body) if chat else api.completion_prompt(body)
-        params = api.sampling_params(body, self.max_model_len)
+        prompts = [api.chat_messages(body)] if chat else api.completion_prompts(body)
+        params = api.sampling_params(body, self.max_model_len, chat)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
         include_usage = api.stream_options(body)
         session = body.get("user") if isinstance(body.get("user"), str) else None
-        generation = await Generation(self.serving).start(prompt, params, session)
-        reply = api.Reply(chat, generation.request.id, self.model, generation.request.prompt_tokens,
-                          token_ids=body.get("return_token_ids") is True)
-        headers = {REQUEST_ID_HEADER: str(generation.request.id)}
+        generation = await Generation(self.serving).start(prompts, params, session)
+        reply = api.Reply(chat, generation.ids[0], self.model, generation.prompt_tokens,
+                          token_ids=body.get("return_token_ids") is True,
+                          logprobs=self.logprob_reply(chat, body.get("echo") is True, params, prompts, generation))
+        headers = {REQUEST_ID_HEADER: ",".join(map(str, generation.ids))}  # one id per prompt
         if stream:
             return self.streaming_response(generation, reply, include_usage, headers)
         return await self.whole_response(request, generation, reply, headers)
+
+    def logprob_reply(self, chat: bool, echo: bool, params, prompts: list, generation: Generation
+                      ) -> LogprobReply | None:
+        """What logprobs and echo add to each choice (docs/serving.md, "Log-probabilities"); None if nothing."""
+        if params.logprobs is None and not echo:
+            return None
+        prompt_ids = [request.prompt_ids for request in generation.batch.requests]
+        decode = self.texts.tokenizer.decode
+        texts = [prompt if isinstance(prompt, str) else decode(ids, skip_special_tokens=False)
+                 for prompt, ids in zip(prompts, prompt_ids)] if echo else None
+        return LogprobReply(chat, self.texts, params.logprobs is not None, texts, prompt_ids)
 
     def streaming_response(self, generation: Generation, reply: api.Reply, include_usage: bool,
                            headers: dict) -> Response:
@@ -186,33 +231,43 @@ class OpenAiEndpoints:
 
     async def whole_response(self, request: Request, generation: Generation, reply: api.Reply,
                              headers: dict) -> Response:
-        out = await generation.result(request)
-        if out is None:
+        outs = await generation.result(request)
+        if outs is None:
             return Response(status_code=499)  # nobody is listening any more
-        if out.finish_reason == "error":
-            raise generation.failure(out)
-        return JSONResponse(reply.full(out), headers=headers)
+        return JSONResponse(reply.full(outs), headers=headers)
 
 
 async def stream_reply(generation: Generation, reply: api.Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The chunks of every prompt as they come, each with its prompt's index; one usage chunk at the end.
+    A request that fails ends the stream with an error event (the other prompts' requests are aborted)."""
     if reply.chat:
         yield sse(reply.chunk("", role=True))
-    async for out in generation.outputs():
-        # One chunk for everything that arrived since the last: a client (or an event loop) that
-        # lags gets fewer, larger chunks instead of falling further behind.
-        failed = out.finish_reason == "error"
-        finished = out.finished and not failed
-        events = []
-        if out.delta or finished or (reply.token_ids and out.new_token_ids):
-            events.append(sse(reply.chunk(out.delta, out.finish_reason if finished else None, out.new_token_ids)))
-        if failed:
-            error = generation.failure(out)
-            generation.serving.metrics.count_error(error_reason(error))
-            events.append(sse(error.body()))
-        elif finished and include_usage:
-            events.append(sse(reply.usage_chunk(out.num_output_tokens)))
-        if events:
-            yield "".join(events)
+    completion_tokens, error = 0, None
+    async with contextlib.aclosing(generation.outputs()) as outputs:
+        async for news in outputs:
+            # One chunk per prompt for everything that arrived since the last: a client (or an event
+            # loop) that lags gets fewer, larger chunks instead of falling further behind.
+            events = []
+            for index, out in news:
+                failed = out.finish_reason == "error"
+                finished = out.finished and not failed
+                echo, logprobs = reply.logprobs.streamed(index, out) if reply.logprobs else ("", None)
+                if echo or out.delta or finished or logprobs or (reply.token_ids and out.new_token_ids):
+                    events.append(sse(reply.chunk(echo + out.delta, out.finish_reason if finished else None,
+                                                  out.new_token_ids, index=index, logprobs=logprobs)))
+                if finished:
+                    completion_tokens += out.num_output_tokens
+                if failed and error is None:
+                    error = generation.failure(out)
+            if error is not None:
+                generation.serving.metrics.count_error(error_reason(error))
+                events.append(sse(error.body()))
+            if events:
+                yield "".join(events)
+            if error is not None:
+                break
+    if include_usage and error is None:
+        yield sse(reply.usage_chunk(completion_tokens))
     yield sse("[DONE]")
 
 
@@ -321,13 +376,19 @@ async def on_http_error(request: Request, e: HTTPException) -> Response:
     return refuse(api.ApiError(e.status_code, f"{request.url.path}: {e.detail}", kind=kind), metrics_of(request))
 
 
+async def on_client_gone(request: Request, e: ClientDisconnect) -> Response:
+    return Response(status_code=499)  # the client left before its body was read: nobody is listening
+
+
 async def on_crash(request: Request, e: Exception) -> Response:
     error = api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
     return refuse(error, metrics_of(request))
 
 
-# Every failure answers in the OpenAI error shape, a crash included.
-EXCEPTION_HANDLERS = {api.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+# Every failure answers in the OpenAI error shape, a crash included; a client that left before its body
+# was read gets a bare 499, which nobody reads.
+EXCEPTION_HANDLERS = {api.ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_client_gone,
+                      Exception: on_crash}
 
 
 def middleware(serving: Serving, api_key: str | None, limits: ServeLimits) -> list[Middleware]:
