@@ -920,6 +920,53 @@ def check_mixed_steps(report: Report, s: Sizes) -> None:
                        f"{forwards} mixed forwards", exercised=forwards > 0)
 
 
+def check_logprobs_and_penalties(report: Report, s: Sizes) -> None:
+    """Log-probabilities and penalties on the device (tiny Qwen3, fp32, compression on, CUDA graphs and
+    overlapped decode) against the same requests on the CPU's PyTorch path: the same greedy tokens,
+    asking for log-probabilities changes none of them, and their values agree."""
+    from zipage.engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (7, 40, 130, 300)]
+    plain = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    asking = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    penalised = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, frequency_penalty=0.5,
+                               presence_penalty=0.3)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=8)
+        for device in dict.fromkeys([s.device, "cpu"]):
+            llm = LLM(str(folder), device=device, dtype="float32", compression=True, block_size=16, window=8,
+                      max_cache_blocks_per_seq=4, num_kv_blocks=256)
+            try:
+                runs[device] = {name: llm.generate(prompts, [params] * len(prompts))
+                                for name, params in (("plain", plain), ("asking", asking), ("penalised", penalised))}
+                runs[device]["compressions"] = llm.engine.totals["compressions"]
+            finally:
+                llm.close()
+    dev, cpu = runs[s.device], runs["cpu"]
+    tokens = lambda run, name: [o.token_ids for o in run[name]]  # noqa: E731
+    report_same_tokens(report, "logprobs asked: same tokens as not asked",
+                       (tokens(dev, "plain"), dev["compressions"]), (tokens(dev, "asking"), dev["compressions"]),
+                       s.device, exercised=True)
+    report_same_tokens(report, f"penalties: {s.device} tokens as the CPU's", (tokens(cpu, "penalised"), 1),
+                       (tokens(dev, "penalised"), dev["compressions"]), "frequency 0.5, presence 0.3", exercised=True)
+    worst, count = 0.0, 0
+    for a, b in zip(dev["asking"], cpu["asking"]):
+        if a.token_ids != b.token_ids:
+            continue
+        for x, y in zip(a.logprobs, b.logprobs):
+            worst = max(worst, abs(x.logprob - y.logprob), *(abs(x.top[t] - y.top[t]) for t in x.top if t in y.top))
+            count += 1
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            worst = max(worst, abs(x.logprob - y.logprob))
+            count += 1
+    greedy_first = all(x.rank == 1 for o in dev["asking"] for x in o.logprobs)
+    report.check(f"logprobs: {s.device} against the CPU (fp32)", worst if greedy_first and count else float("inf"),
+                 1e-3, f"{count} positions compared; every greedy token ranked first: {greedy_first}")
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Timings
 
@@ -1026,7 +1073,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,mixed,timing")
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,mixed,"
+                        "logprobs,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
@@ -1072,6 +1120,7 @@ def main(argv=None) -> int:
         ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
         ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
         ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
+        ("logprobs", "log-probabilities and penalties", lambda: check_logprobs_and_penalties(report, s)),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

@@ -16,8 +16,8 @@ import httpx
 MODEL = "random:llama-tiny"
 API_KEY = "test-key"
 # Small pool, small blocks: long requests get compressed and every block is easy to account for.
-KNOBS = ["--device", "cpu", "--block-size", "16", "--window", "8", "--max-cache-blocks-per-seq", "2",
-         "--num-kv-blocks", "64"]
+ENGINE_KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+KNOBS = [arg for name, value in ENGINE_KNOBS.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
 START_DEADLINE_S = 180.0
 DEADLINE_S = 120.0
 
@@ -138,3 +138,17 @@ def scrape(server) -> dict:
     assert response.headers["content-type"].startswith("text/plain")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def offline_engine():
+    """The server's engine offline: same model, knobs and seed, hence the same weights and greedy tokens."""
+    from zipage.engine import LLM
+
+    return LLM(MODEL, **ENGINE_KNOBS)
+
+
+def openai_client(server: Server):
+    """The openai client of a test server: the key, no retries, a generous timeout."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=DEADLINE_S)

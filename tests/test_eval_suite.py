@@ -8,9 +8,9 @@ import json
 import random
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
+from eval_fixtures import _one_thread, _private_cache  # noqa: F401 (autouse)
 from zipage.cli.eval import common as ec
 from zipage.cli.eval import fidelity, needle, recall, vartrack
 from zipage.cli.main import app
@@ -23,20 +23,6 @@ TINY_RUNS = {
     "vartrack": lambda path, **kw: vartrack.run(path, num_samples=2, length=400, **kw),
     "fidelity": lambda path, **kw: fidelity.run(path, num_samples=2, tokens=24, **kw),
 }
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZIPAGE_EVAL_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run many small ops: one thread is fastest and steady on a busy CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _cells(results) -> dict:

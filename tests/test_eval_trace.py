@@ -7,10 +7,10 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kept_helpers import PIECES, PROMPT_TOKENS, dropping_map, everything_map, varied_map
+from eval_fixtures import _one_thread, _private_cache  # noqa: F401 (autouse)
 from zipage.cli.eval import common as ec
 from zipage.cli.eval import needle
 from zipage.cli.eval.kept_svg import GONE, Mark, colour, find_marks, kept_svg
@@ -19,19 +19,6 @@ from zipage.cli.main import app
 from zipage.engine.loading.loader import resolve_model
 
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZIPAGE_EVAL_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def rows_of(svg: str) -> list[ET.Element]:

@@ -10,9 +10,10 @@ import httpx
 import openai
 import pytest
 
-from zipage.engine import LLM, SamplingParams
+from zipage.engine import SamplingParams
 from zipage.engine.events import snapshot_from_dict
-from serve_helpers import API_KEY, MODEL, scrape, start_server, stop_server, wait_for, wait_until_idle
+from serve_helpers import (API_KEY, MODEL, offline_engine, openai_client, scrape, start_server, stop_server,
+                           wait_for, wait_until_idle)
 
 LONG = 5000  # output tokens of a request meant to be cut short (compression keeps its KV bounded)
 
@@ -26,14 +27,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def offline():
     """The same engine offline: same model, knobs and seed, hence the same weights and greedy tokens."""
-    llm = LLM(MODEL, device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+    llm = offline_engine()
     yield llm
     llm.close()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serve_helpers import API_KEY, MODEL, start_server, stop_server
-from zipage.engine import LLM, SamplingParams
+from serve_helpers import MODEL, offline_engine, openai_client, start_server, stop_server
+from zipage.engine import SamplingParams
 
 TOL = 1e-4  # the server's engine batches differently from the offline one: float32 rounding only
 
@@ -22,14 +22,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def offline():
     """The server's engine offline: same model, knobs and seed, hence the same weights."""
-    llm = LLM(MODEL, device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=2, num_kv_blocks=64)
+    llm = offline_engine()
     yield llm
     llm.close()
 
