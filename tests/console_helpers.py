@@ -36,3 +36,19 @@ async def help_text(app, pilot) -> str:
     console = Console(record=True, width=100, file=io.StringIO())
     console.print(app.screen.query_one("#help-box Static").content)
     return console.export_text()
+
+
+async def send_terminal_bytes(pilot, data: str) -> None:
+    """Send keys exactly as a terminal (or tmux) writes them: the bytes go through Textual's own
+    parser, and each key event keeps the character the parser gave it (pilot.press gives an Alt
+    chord none, which hides an input that would type it)."""
+    from textual._xterm_parser import XTermParser
+    from textual.events import Key
+
+    parser = XTermParser()
+    for event in [*parser.feed(data), *parser.feed("")]:
+        if isinstance(event, Key):
+            key = Key(event.key, event.character)
+            key.set_sender(pilot.app)
+            pilot.app._driver.send_message(key)
+            await pilot.pause()

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from textual.screen import ModalScreen
 
-from console_helpers import KNOBS, wait_for
+from console_helpers import KNOBS, send_terminal_bytes, wait_for
 from zipage.engine.api.thread import EngineThread
 from zipage.cli.console.chat import ChatApp
 from zipage.cli.console.top import TopApp
@@ -193,3 +193,24 @@ def test_no_top_key_ends_the_app(engine, teaching):
 
     asyncio.run(run())
     engine.resume()
+
+
+def test_alt_chords_as_tmux_sends_them_are_commands_not_text(engine):
+    """tmux and Alt-as-Meta terminals send Alt+K as ESC then k: the chat's message box must not type
+    the letter, and the chord must reach its command."""
+    async def run():
+        app = ChatApp(engine, sessions=2)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press(*"draft")
+            box = app.focused
+            await send_terminal_bytes(pilot, "\x1bk")  # Alt+K: nothing asked yet, so it says so
+            assert box.value == "draft"
+            assert "ask something first" in " ".join(n.message for n in app._notifications)
+            first = app.current
+            await send_terminal_bytes(pilot, "\x1b[1;3C")  # Alt+→: the next session
+            await wait_for(pilot, lambda: app.current is not first, what="the next session")
+            await send_terminal_bytes(pilot, "\x1bw")  # Alt+W: closes the empty session
+            await wait_for(pilot, lambda: len(app.sessions) == 1, what="the session closed")
+            assert app.focused.value == "draft"  # the one message box typed neither letter
+
+    asyncio.run(run())

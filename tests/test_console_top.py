@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from console_helpers import help_text
+from console_helpers import help_text, wait_for
 from zipage.engine.config import SamplingParams
 from zipage.engine.api.thread import EngineThread
 from zipage.cli.console.top import LoadGenerator, TopApp, explain_step, prompt_source, read_prompts
@@ -96,9 +96,9 @@ def test_live_monitor_draws_requests_and_the_pool(engine):
     async def run():
         app = TopApp(engine, load_for(engine, concurrency=4, input_len=20, output_len=1500))
         async with app.run_test(size=(150, 45)) as pilot:
-            await pilot.pause(1.0)
-            assert app.load.submitted == 4
-            assert app.query_one("#requests").row_count == 4
+            # The table refreshes on a timer: wait for it to show every request (a busy CPU is slow).
+            await wait_for(pilot, lambda: app.load.submitted == 4 and app.query_one("#requests").row_count == 4,
+                           what="four requests in the table")
             pool = app.query_one(PoolMap)
             assert pool.snapshot.pool.total == 48
             owned = sum(len(r.block_table) for r in pool.snapshot.requests)

@@ -235,7 +235,7 @@ class ChatApp(SidePanes, ThemedApp):
             self.run_worker(self.close_session(pane_id))
             return
         lost = [f"{turns} turn{'s' if turns != 1 else ''}"] if turns else []
-        lost += ["its running answer"] if session.busy else []
+        lost += ["running answer"] if session.busy else []
         question = f"Close {session.conv.name}? Its {' and '.join(lost)} will be lost."
 
         async def answered(yes: bool | None) -> None:
@@ -447,8 +447,9 @@ class ChatApp(SidePanes, ThemedApp):
         engine, book = self.engine, self.book
         remembered = session.kept is not None and session.kept.request == request
         if not remembered and not session.busy:  # ended, and no compression of it took a map
-            self.notify(f"#{request} was never compressed: its KV held every token until the answer ended "
-                        "and was freed. Lower the budget (/budget 2) to watch a compression.", timeout=6)
+            self.notify(f"#{request} was never compressed: the answer fit its KV budget, held every token, and "
+                        "its KV was freed when it ended. Ask for a longer answer, or lower the budget with "
+                        "/budget, to watch a compression.", timeout=6)
             return
 
         def closed(holding: Holding | None) -> None:

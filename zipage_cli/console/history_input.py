@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from textual import events
 from textual.binding import Binding
 from textual.widgets import Input
 
@@ -22,6 +23,14 @@ class HistoryInput(Input):
         self.sent: list[str] = []
         self.position = 0  # index into `sent`; len(sent) means "the draft"
         self.draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        """An Alt chord is a command, never text. A terminal (and tmux) sends Alt+W as ESC then w,
+        which Textual reads as alt+w but Input would type as "w": here the app's bindings get it."""
+        if event.key.startswith("alt+"):
+            event.prevent_default()
+            return
+        await super()._on_key(event)
 
     def remember(self, line: str) -> None:
         if line and (not self.sent or self.sent[-1] != line):
