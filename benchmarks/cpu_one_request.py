@@ -2,12 +2,14 @@
 
     python benchmarks/cpu_one_request.py --threads 2      # SmolLM2, one 128-token prompt, 64 tokens
     python benchmarks/cpu_one_request.py --threads 1
+    python benchmarks/cpu_one_request.py --weight-dtype float32 --engine-only   # the dequantized weights
 
 Part 1 times one request through the engine, splitting each decode step into the model forward,
 the decode attention inside it, and everything else on the host (scheduling, sampling,
 bookkeeping). Part 2 times transformers' continuous batching on the same weights and request.
 Part 3 times the CPU decode attention call alone at the engine's shapes. All with --threads
-intra-op threads.
+intra-op threads. The engine's weights follow --weight-dtype (auto: a quantized GGUF runs as stored,
+docs/design-notes.md, "Quantized CPU weights"); --engine-only stops after part 1.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def timed(fn, repeats: int = 50) -> float:
     return 1000 * statistics.median(samples)
 
 
-def engine_breakdown(model: str, input_len: int, output_len: int) -> None:
+def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: str = "auto") -> None:
     from zipage import kernels
     from zipage.engine import LLM
     from zipage.engine.config import SamplingParams
     from zipage.cli.bench import random_prompts
 
-    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, weight_dtype=weight_dtype)
     attention, forward = [], []
     decode_attention, launch = kernels.paged_decode_attention, llm.engine.runner.launch
 
@@ -48,9 +50,9 @@ def engine_breakdown(model: str, input_len: int, output_len: int) -> None:
         attention.append(time.perf_counter() - start)
         return out
 
-    def timed_launch(batch, previous=None):  # on the CPU a launch runs the forward to the end
+    def timed_launch(batch, *rest):  # on the CPU a launch runs the forward to the end
         start = time.perf_counter()
-        out = launch(batch, previous)
+        out = launch(batch, *rest)
         if not batch.is_prefill:
             forward.append(time.perf_counter() - start)
         return out
@@ -73,7 +75,8 @@ def engine_breakdown(model: str, input_len: int, output_len: int) -> None:
     llm.close()
     step, fwd = statistics.median(steps), statistics.median(forward)
     attn = statistics.median(attention) * layers
-    print(f"engine, {model}, 1 request, {input_len}-token prompt, {len(steps)} decode steps (medians):")
+    print(f"engine, {model}, weight_dtype={weight_dtype}, 1 request, {input_len}-token prompt, "
+          f"{len(steps)} decode steps (medians; best step {1000 * min(steps):.1f} ms):")
     print(f"  decode step {1000 * step:.1f} ms = forward {1000 * fwd:.1f} ms + host {1000 * (step - fwd):.1f} ms")
     print(f"  decode attention in the forward: {1000 * attn:.1f} ms ({layers} layers)")
 
@@ -110,10 +113,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
+    parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--engine-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
-    engine_breakdown(args.model, args.input_len, args.output_len)
+    engine_breakdown(args.model, args.input_len, args.output_len, args.weight_dtype)
+    if args.engine_only:
+        return
     hf_one_request(args.model, args.input_len, args.output_len)
     attention_alone(args.input_len + args.output_len // 2, 32, 9, 3, 64)  # SmolLM2-135M's attention shape
 

@@ -1,11 +1,18 @@
 """CPU throughput: Zipage against transformers' `generate` (static padded batch) and
-`generate_batch` (continuous batching), in one process, on the same weights.
+`generate_batch` (continuous batching), in one process, on the same weights, and llama.cpp on the
+same GGUF file.
 
     python benchmarks/cpu_throughput.py                 # 16 chat prompts x 128 greedy tokens, SmolLM2
     python benchmarks/cpu_throughput.py --json out.json
+    python benchmarks/cpu_throughput.py --num-requests 1 --modes zipage,zipage-float32,hf-generate,llama-cpp \
+        --llama-python /tmp/venv-llama/bin/python     # one stream; llama.cpp from a venv of its own
 
 Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, in --dtype
-(float32 by default; bfloat16 uses the CPU's bf16 matrix units where it has them).
+(float32 by default; bfloat16 uses the CPU's bf16 matrix units where it has them). Zipage's weights
+follow --weight-dtype ("auto": a quantized GGUF runs as stored, docs/design-notes.md, "Quantized CPU
+weights"); mode zipage-float32 is Zipage with every weight dequantized to float32. Mode llama-cpp runs
+benchmarks/llama_cpp_stream.py under --llama-python (llama-cpp-python: the bench-llama extra), one
+stream at a time, and times only its generation (not its start or load).
 Throughput = generated tokens / wall time of the whole batch (prefill included). Each mode runs
 once untimed (warm-up), then the modes take turns for --repeats rounds (so load from other
 processes on a shared CPU falls on all of them alike); the median of each mode is reported.
@@ -14,6 +21,7 @@ processes on a shared CPU falls on all of them alike); the median of each mode i
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -32,8 +40,8 @@ PROMPTS = [
 ]
 
 
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+def chat_prompts(tokenizer, n: int, texts: list[str] = PROMPTS) -> list[list[int]]:
+    prompts = [texts[i % len(texts)] for i in range(n)]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                            add_generation_prompt=True), add_special_tokens=False)
             for p in prompts]
@@ -92,9 +100,36 @@ def run_hf_generate_batch(model, prompts, output_len: int):
     return once
 
 
+def run_llama_cpp(python: str, gguf: str, prompts, output_len: int):
+    """llama.cpp on the same GGUF and prompt ids, in a child process under `python`; a run returns
+    (tokens, seconds of generation alone)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    if not gguf.endswith(".gguf"):
+        raise SystemExit(f"mode llama-cpp needs a GGUF model, not {gguf!r}")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_stream.py")
+
+    def once():
+        cmd = [python, script, "--model", gguf, "--prompts", f.name, "--output-len", str(output_len),
+               "--threads", str(torch.get_num_threads()), "--repeats", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"llama-cpp mode failed (is llama-cpp-python installed for {python}?):\n{out.stderr}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        return result["tokens"], result["seconds"][0]
+
+    return once
+
+
 def interleaved(runs: dict, repeats: int) -> dict:
     """Warm every mode up once, then time them in turns (A, B, C, A, B, C, ...), so a busy shared
-    CPU slows every mode alike; the median of each mode's runs."""
+    CPU slows every mode alike; the median of each mode's runs. A run returns its token count, or
+    (tokens, seconds) when it times itself (llama-cpp: a child process's start is not its speed)."""
     for once in runs.values():
         once()
     times = {mode: [] for mode in runs}
@@ -102,8 +137,10 @@ def interleaved(runs: dict, repeats: int) -> dict:
     for _ in range(repeats):
         for mode, once in runs.items():
             start = time.perf_counter()
-            tokens[mode] = once()
-            times[mode].append(time.perf_counter() - start)
+            result = once()
+            elapsed = time.perf_counter() - start
+            tokens[mode], seconds = result if isinstance(result, tuple) else (result, elapsed)
+            times[mode].append(seconds)
     out = {}
     for mode in runs:
         seconds = statistics.median(times[mode])
@@ -118,6 +155,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="zipage,fullkv,hf-generate,hf-generate-batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="Zipage's weight_dtype (modes zipage and fullkv)")
+    parser.add_argument("--llama-python", default=sys.executable, help="interpreter with llama-cpp-python")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for every mode (default: torch's choice)")
     args = bench_common.parse_args(parser, argv)
@@ -129,8 +169,9 @@ def main(argv=None) -> dict:
     modes = args.modes.split(",")
     from zipage.engine import LLM
 
-    llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True)
-    results["dtype"] = args.dtype
+    weights = dict(weight_dtype=args.weight_dtype)  # "float32" / "bfloat16" must match --dtype
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True, **weights)
+    results["dtype"], results["weight_dtype"] = args.dtype, args.weight_dtype
     prompts = chat_prompts(llm.tokenizer, args.num_requests)
     results["prompt_tokens"] = [len(p) for p in prompts]
     hf = None
@@ -139,8 +180,13 @@ def main(argv=None) -> dict:
         if mode == "zipage":
             runs[mode] = run_zipage(llm, prompts, args.output_len)
         elif mode == "fullkv":
-            runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False), prompts,
-                                    args.output_len)
+            runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False, **weights),
+                                    prompts, args.output_len)
+        elif mode == "zipage-float32":
+            runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype="float32", weight_dtype="float32",
+                                        compression=True), prompts, args.output_len)
+        elif mode == "llama-cpp":
+            runs[mode] = run_llama_cpp(args.llama_python, llm.engine.source.path, prompts, args.output_len)
         elif mode == "hf-generate":
             hf = hf or hf_model(llm, getattr(torch, args.dtype))
             runs[mode] = run_hf_generate(hf, llm.tokenizer, prompts, args.output_len)

@@ -898,9 +898,9 @@ def check_mixed_steps(report: Report, s: Sizes) -> None:
                       max_cache_blocks_per_seq=4, num_kv_blocks=256, max_num_batched_tokens=64, mixed_steps=mixed)
             mixed_forwards, launch = [0], llm.engine.runner.launch
 
-            def counting(batch, previous=None, launch=launch, count=mixed_forwards):
+            def counting(batch, *rest, launch=launch, count=mixed_forwards):
                 count[0] += batch.is_mixed
-                return launch(batch, previous)
+                return launch(batch, *rest)
 
             llm.engine.runner.launch = counting
             try:
@@ -920,11 +920,30 @@ def check_mixed_steps(report: Report, s: Sizes) -> None:
                        f"{forwards} mixed forwards", exercised=forwards > 0)
 
 
+def _on_device_and_cpu(s: Sizes, seed: int, run) -> dict:
+    """{device: run(llm)} for the device and the CPU, each an engine on the same tiny Qwen3 (fp32,
+    compression on, block 16, window 8, 4-block budgets; CUDA graphs and overlapped steps on the GPU)."""
+    from zipage.engine import LLM
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=seed)
+        for device in dict.fromkeys([s.device, "cpu"]):
+            llm = LLM(str(folder), device=device, dtype="float32", compression=True, block_size=16, window=8,
+                      max_cache_blocks_per_seq=4, num_kv_blocks=256)
+            try:
+                runs[device] = run(llm)
+            finally:
+                llm.close()
+    return runs
+
+
 def check_logprobs_and_penalties(report: Report, s: Sizes) -> None:
     """Log-probabilities and penalties on the device (tiny Qwen3, fp32, compression on, CUDA graphs and
     overlapped decode) against the same requests on the CPU's PyTorch path: the same greedy tokens,
     asking for log-probabilities changes none of them, and their values agree."""
-    from zipage.engine import LLM, SamplingParams
+    from zipage.engine import SamplingParams
 
     gen = torch.Generator().manual_seed(21)
     prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (7, 40, 130, 300)]
@@ -932,19 +951,12 @@ def check_logprobs_and_penalties(report: Report, s: Sizes) -> None:
     asking = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=5, prompt_logprobs=3)
     penalised = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, frequency_penalty=0.5,
                                presence_penalty=0.3)
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "qwen3-tiny"
-        _build_tiny_hf("qwen3-tiny", folder, seed=8)
-        for device in dict.fromkeys([s.device, "cpu"]):
-            llm = LLM(str(folder), device=device, dtype="float32", compression=True, block_size=16, window=8,
-                      max_cache_blocks_per_seq=4, num_kv_blocks=256)
-            try:
-                runs[device] = {name: llm.generate(prompts, [params] * len(prompts))
-                                for name, params in (("plain", plain), ("asking", asking), ("penalised", penalised))}
-                runs[device]["compressions"] = llm.engine.totals["compressions"]
-            finally:
-                llm.close()
+    def run(llm):
+        outs = {name: llm.generate(prompts, [params] * len(prompts))
+                for name, params in (("plain", plain), ("asking", asking), ("penalised", penalised))}
+        return {**outs, "compressions": llm.engine.totals["compressions"]}
+
+    runs = _on_device_and_cpu(s, 8, run)
     dev, cpu = runs[s.device], runs["cpu"]
     tokens = lambda run, name: [o.token_ids for o in run[name]]  # noqa: E731
     report_same_tokens(report, "logprobs asked: same tokens as not asked",
@@ -965,6 +977,55 @@ def check_logprobs_and_penalties(report: Report, s: Sizes) -> None:
     greedy_first = all(x.rank == 1 for o in dev["asking"] for x in o.logprobs)
     report.check(f"logprobs: {s.device} against the CPU (fp32)", worst if greedy_first and count else float("inf"),
                  1e-3, f"{count} positions compared; every greedy token ranked first: {greedy_first}")
+
+
+def check_structured_output(report: Report, s: Sizes) -> None:
+    """Structured output on the device (tiny Qwen3, fp32, compression, CUDA graphs and overlapped decode):
+    requests under a JSON schema, greedy and seeded, beside free ones. The free ones get the tokens they
+    get without the constrained ones beside them, the constrained ones parse and match the schema and get
+    the CPU's greedy tokens; the token mask unpacked on the device equals the host's, and its time."""
+    from zipage.engine import SamplingParams
+    from zipage.engine.execution.grammar_masks import mask_rows, unpack_on_device, unpack_on_host
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"enum": [1, 3, 7]}}}
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (9, 40, 130, 70)]
+    free = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    shaped = [SamplingParams(temperature=0.0, max_tokens=80, json_schema=schema),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=80, json_schema=schema)]
+    def run(llm):
+        alone = llm.generate(prompts, [free] * len(prompts))
+        mixed = llm.generate(prompts + prompts[:2], [free] * len(prompts) + shaped)
+        return ([o.token_ids for o in alone], [o.token_ids for o in mixed[:len(prompts)]], mixed[len(prompts):],
+                llm.engine.totals["compressions"], llm.engine.overlapped_steps)
+
+    runs = _on_device_and_cpu(s, 9, run)
+    alone, beside, constrained, compressions, overlapped = runs[s.device]
+    report_same_tokens(report, "structured: free requests untouched", (alone, compressions), (beside, compressions),
+                       f"{overlapped} steps overlapped", exercised=True)
+    valid = 0
+    for out in constrained:
+        try:
+            value = json.loads(out.text)
+            valid += value["city"] in ("Paris", "Oslo", "Lima") and value["days"] in (1, 3, 7) and len(value) == 2
+        except (ValueError, KeyError, TypeError):
+            pass
+    report.check("structured: outputs parse and match the schema", float(len(constrained) - valid), 0,
+                 f"{valid}/{len(constrained)}: {[o.text for o in constrained]}", exact=True)
+    report.check("structured: greedy tokens as the CPU's", float(constrained[0].token_ids != runs["cpu"][2][0].token_ids),
+                 0, s.device, exact=True)
+    if s.device != "cuda":
+        return
+    vocab = 151936
+    for rows in (1, 8, 64):
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32,
+                                generator=gen).pin_memory()
+        logits = torch.randn(rows, vocab, device="cuda")
+        same = torch.equal(unpack_on_device(bitmask, torch.device("cuda")).cpu(), unpack_on_host(bitmask))
+        report.check(f"structured: mask unpacked on the device, {rows} rows", float(not same), 0, exact=True)
+        report.time(f"structured: mask_rows, {rows} rows of {vocab}",
+                    bench_ms(lambda: mask_rows(logits, list(range(rows)), bitmask), "cuda"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1074,7 +1135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
                         "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,mixed,"
-                        "logprobs,timing")
+                        "logprobs,structured,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
@@ -1121,6 +1182,7 @@ def main(argv=None) -> int:
         ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
         ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
         ("logprobs", "log-probabilities and penalties", lambda: check_logprobs_and_penalties(report, s)),
+        ("structured", "structured output", lambda: check_structured_output(report, s)),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 
 
 EVICTION_POLICIES = ("score", "random", "recent")
-BUDGET_POLICIES = ("fixed", "elastic")  # docs/design-notes.md, "Budgets"
+BUDGET_POLICIES = ("fixed", "elastic")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # docs/design-notes.md, "Budgets"
 DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/loading/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
@@ -42,6 +43,9 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str | None = None  # "cpu" | "cuda" | None (auto)
     dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (bf16 on GPU, fp32 on CPU)
+    # "auto": a quantized GGUF runs as stored on the CPU where a kernel maps its type (docs/design-notes.md,
+    # "Quantized CPU weights"); "float32" / "bfloat16": every weight dequantized to that dtype.
+    weight_dtype: str = "auto"
 
     # Compressed PagedAttention
     compression: bool = True  # False: the full-KV baseline on the same engine
@@ -109,6 +113,11 @@ class EngineConfig:
             _fail("device", self.device, 'must be "cpu", "cuda" or None')
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             _fail("dtype", self.dtype, 'must be "float32", "bfloat16", "float16" or None')
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            _fail("weight_dtype", self.weight_dtype, f"must be one of {', '.join(WEIGHT_DTYPES)}")
+        if self.weight_dtype != "auto" and self.dtype not in (None, self.weight_dtype):
+            _fail("weight_dtype", self.weight_dtype, f"disagrees with dtype={self.dtype!r}: dequantized weights "
+                                                     "run in the model's dtype, so set one of the two")
         for name in ("compression", "use_global_score", "use_redundancy", "lightning_redundancy",
                      "enable_pooling", "async_compress", "hybrid_scheduling", "prefix_caching",
                      "enforce_eager", "mixed_steps"):
@@ -217,6 +226,10 @@ class SamplingParams:
     # alternatives. None: not computed. 0: the token's own only.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output (docs/design-notes.md, "Structured output"): the output is JSON matching this
+    # schema (a dict, or its JSON text), or any JSON object for True; a grammar masks every token that
+    # would leave it, and the request stops where the JSON ends.
+    json_schema: dict | str | bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -269,6 +282,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 _fail("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if self.json_schema is not None:
+            if self.json_schema is not True and not isinstance(self.json_schema, (dict, str)):
+                _fail("json_schema", self.json_schema, "must be None, True (any JSON object), a JSON schema "
+                                                       "object or its JSON text")
+            if self.ignore_eos:
+                _fail("ignore_eos", self.ignore_eos, "cannot be combined with json_schema: the output ends "
+                                                     "where its JSON does")
 
     @property
     def penalised(self) -> bool:

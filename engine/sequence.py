@@ -64,6 +64,7 @@ class Sequence:
         self.num_preemptions = 0
 
         self.forced_tokens: list[int] | None = None  # teacher forcing (evaluation): the output's first tokens, fed whatever is sampled
+        self.grammar = None  # an OutputGrammar (loading/grammars.py) where the output must match a JSON schema
         # Log-probabilities, where asked (docs/design-notes.md, "Log-probabilities"): one per output token,
         # and one per prompt token (None for the first, which nothing predicts), filled in as the prefill
         # scores positions 0 .. prompt_scored - 1.

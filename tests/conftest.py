@@ -40,6 +40,14 @@ def _engine_test_threads(request):
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _saved_chats_of_their_own(tmp_path_factory):
+    """`zipage chat` saves every session: the tests' chats (the commands they start too) go to a folder
+    of their own, never the user's."""
+    os.environ["ZIPAGE_DATA"] = str(tmp_path_factory.mktemp("zipage-data"))
+    yield
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
@@ -81,8 +89,9 @@ def assert_pool_empty(engine) -> None:
 
 @pytest.fixture(scope="session")
 def smol() -> LLM:
-    """The built-in SmolLM2-135M-Instruct, loaded once per session (fp32 on CPU)."""
-    llm = LLM("smollm2-135m", num_kv_blocks=512, **BASE_KNOBS)
+    """The built-in SmolLM2-135M-Instruct, loaded once per session (fp32 on CPU, dequantized as
+    transformers loads it: the parity tests compare the two)."""
+    llm = LLM("smollm2-135m", num_kv_blocks=512, weight_dtype="float32", **BASE_KNOBS)
     yield llm
     llm.close()
 

@@ -59,7 +59,7 @@ def test_the_scheduler_keeps_chunks_within_the_target_and_output_unchanged(model
             assert engine.scheduler.chunks.target_s == pytest.approx(0.1)
             engine.scheduler.chunks = CostModel(0.1)
         batches, launch = [], engine.runner.launch
-        engine.runner.launch = lambda batch, previous=None: batches.append(batch) or launch(batch, previous)
+        engine.runner.launch = lambda batch, *rest: batches.append(batch) or launch(batch, *rest)
         try:
             seqs = [engine.add_request(p, greedy(60)) for p in prompts[:2]]
             for _ in range(3):

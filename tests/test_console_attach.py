@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -15,30 +16,19 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from textual.widgets._footer import FooterKey
 from typer.testing import CliRunner
 
 from zipage.cli.console.chat import ChatApp, Message
 from zipage.cli.main import app as cli
 from zipage.cli.serve.remote import RemoteEngine
 from zipage.cli.console.top import TopApp
+from zipage.engine.api.thread import EngineThread
 from zipage.engine.config import SamplingParams
 from zipage.engine.core.outputs import PromptTooLong
-from serve_helpers import (API_KEY, DEADLINE_S, MODEL, engine_pid, free_port, start_server, stop_server,
+from serve_helpers import (API_KEY, DEADLINE_S, ENGINE_KNOBS, MODEL, engine_pid, free_port, start_server, stop_server,
                            wait_until_idle)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("attach") / "server.log")
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-def remote(server):
-    engine = RemoteEngine(server.url, API_KEY)
-    yield engine
-    engine.close()
+from console_helpers import remote, server  # noqa: F401 (fixtures)
 
 
 async def until(pilot, condition, what: str):
@@ -122,10 +112,12 @@ def test_top_attached_draws_a_running_servers_requests(server, remote):
                 drawn = app.pool.snapshot  # what the block pool map drew: the server's pool
                 assert drawn.pool.total == 64 and drawn.pool.used >= 1
 
-                await pilot.press("t")  # teaching mode cannot hold a server's engine: refused, still live
+                # Teaching mode cannot hold a server's engine: the footer offers no key for it, and t does
+                # nothing (the help says why).
+                assert "teach" not in {key.action for key in app.query(FooterKey)}
+                await pilot.press("t")
                 await pilot.pause()
                 assert not remote.paused and not app.explain_pane.has_class("teaching")
-                assert any("not available with --attach" in n.message for n in app._notifications)
             finally:
                 stream.stop()
             await until(pilot, lambda: app.table.row_count == 0, "the aborted request to leave the table")
@@ -181,7 +173,7 @@ def test_chat_attached_answers_through_the_server(server, remote):
             session = app.current
             assert session.conv.history == [{"role": "user", "content": "Hello there"},
                                             {"role": "assistant", "content": expected}]
-            meta = str(app.query_one(".msg-meta").render())
+            meta = app.query_one(".msg-meta").text
             assert meta.startswith("12 tokens") and "reached max tokens" in meta
 
     asyncio.run(run())
@@ -386,4 +378,30 @@ def test_a_request_to_a_hung_server_ends_with_an_error(server, remote, monkeypat
     assert isinstance(outcome[0], RuntimeError) and "did not take the request" in str(outcome[0])
     done = remote.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)).result(DEADLINE_S)
     assert done.finish_reason == "length" and len(done.token_ids) == 4
+    wait_until_idle(server)
+
+
+def test_chat_attached_shows_each_answers_figures_as_a_local_chat_does(server, remote):
+    """Under each answer: first-token time, decode speed, the prompt tokens the prefix cache served (the
+    earlier turn) and the compressions, the same line whether the engine is here or behind the server."""
+    async def lines_under_answers(engine) -> list[str]:
+        app = ChatApp(engine, temperature=0.0, max_tokens=12)
+        async with app.run_test(size=(150, 45)) as pilot:
+            session = app.current
+            for turn, text in enumerate(("Tell me about the sea", "And about rivers")):
+                app.prompt.value = text
+                await pilot.press("enter")
+                await until(pilot, lambda: len(session.view.query(".msg-meta")) == turn + 1, "the answer")
+            return [meta.text for meta in session.view.query(".msg-meta")]
+
+    local = EngineThread(MODEL, **ENGINE_KNOBS)  # the server's model and knobs, in this process
+    try:
+        here = asyncio.run(lines_under_answers(local))
+    finally:
+        local.close()
+    attached = asyncio.run(lines_under_answers(remote))
+    figures = re.compile(r"\d+(\.\d+)?")
+    assert [figures.sub("N", line) for line in attached] == [figures.sub("N", line) for line in here]
+    assert re.match(r"12 tokens · first token after \d+\.\d\d s · then \d+\.\d tok/s · ", attached[0]), attached[0]
+    assert re.search(r" · \d+ of \d+ prompt tokens cached · ", attached[1]), attached[1]
     wait_until_idle(server)

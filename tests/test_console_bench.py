@@ -140,10 +140,10 @@ def test_kv_footprint_is_what_the_engine_holds(compression):
     held = []
     launch = engine.runner.launch
 
-    def launch_and_count(batch, previous=None):  # a decode batch's tables already hold the block for the new token
+    def launch_and_count(batch, *rest):  # a decode batch's tables already hold the block for the new token
         if not batch.is_prefill:
             held.extend(len(seq.block_table) for seq in batch.seqs)
-        return launch(batch, previous)
+        return launch(batch, *rest)
 
     engine.runner.launch = launch_and_count
     while engine.has_work():

@@ -236,7 +236,7 @@ def test_answer_line_gives_first_token_time_and_decode_speed_apart(engine):
             session = app.current
             await pilot.press(*"hi", "enter")
             await wait_for(pilot, lambda: not session.busy and session.view.query(".msg-meta"), what="the answer")
-            meta = str(session.view.query(".msg-meta").last().render())
+            meta = session.view.query(".msg-meta").last().text
             assert meta.startswith("12 tokens · first token after ") and " s · then " in meta and "tok/s" in meta
 
     asyncio.run(run())

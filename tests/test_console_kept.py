@@ -7,33 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import re
 import time
-from pathlib import Path
 
 import pytest
-from textual._xterm_parser import XTermParser
-from textual.widgets import Static
 
-from console_helpers import KNOBS, help_text, type_line, wait_for
+from console_helpers import (EVERY_LOOK, ViewHost, click_token, help_text, in_teaching_mode, on_view, teach_step,
+                             terminal_keys, type_line, view_screenshot, view_styles, wait_for)
+from console_helpers import engine  # noqa: F401 (a fixture)
 from kept_helpers import GONE, PIECES, PROMPT_TOKENS, dropping_map, varied_map
-from zipage.engine.api.thread import EngineThread
 from zipage.engine.config import SamplingParams
 from zipage.engine.events import Compressed
 from zipage.cli.console.chat import ChatApp
 from zipage.cli.console.kept_source import Holding, TokenBook, take
-from zipage.cli.console.kept_view import KeptScreen, layout
+from zipage.cli.console.kept_view import KeptScreen
 from zipage.cli.console.kept_words import (dropped_layers, dropped_phrases, dropped_sentence, level, reasons_lines,
                                            strip_rows)
-from zipage.cli.console.themes import ThemedApp
-from zipage.cli.console.top import LoadGenerator, TopApp, prompt_source
-
-
-def terminal_keys(data: str) -> list[str]:
-    """The keys Textual reads from these bytes, as a terminal (or tmux) sends them."""
-    parser = XTermParser()
-    return [event.key for event in [*parser.feed(data), *parser.feed("")] if hasattr(event, "key")]
+from zipage.cli.console.token_view import layout
 
 
 def test_alt_k_as_tmux_sends_it_and_f3_as_terminals_send_it():
@@ -97,7 +87,7 @@ def test_the_text_wraps_between_tokens_and_starts_the_answer_on_its_own_line():
 
 
 # -- the screen, on a map built by hand ------------------------------------------------------------
-class Host(ThemedApp):
+class Host(ViewHost):
     """An app that only shows the kept view over a map built by hand."""
 
     def __init__(self, theme: str = "dark", kmap=None, refresh_s: float = 3600.0):
@@ -106,19 +96,15 @@ class Host(ThemedApp):
         self.fetches = 0
         self.refresh_s = refresh_s  # no refresh by the clock unless a test asks for one
 
-    def compose(self):
-        yield Static("underneath")
-
     def fetch(self):
         self.fetches += 1
         return Holding(1, self.kmap, PIECES, PROMPT_TOKENS, time.time())
 
-    async def open(self, pilot) -> KeptScreen:
-        self.push_screen(KeptScreen(1, "#1 (chat-1)", self.fetch, self.refresh_s))
-        await wait_for(pilot, lambda: isinstance(self.screen, KeptScreen) and self.screen.holding is not None,
-                       what="the map")
-        await pilot.pause()
-        return self.screen
+    def view(self) -> KeptScreen:
+        return KeptScreen(1, "#1 (chat-1)", self.fetch, self.refresh_s)
+
+    def ready(self, screen: KeptScreen) -> bool:
+        return screen.holding is not None
 
 
 def reasons_shown(screen: KeptScreen) -> str:
@@ -126,106 +112,69 @@ def reasons_shown(screen: KeptScreen) -> str:
 
 
 def test_the_cursor_moves_by_keys_and_clicks_and_shows_each_layers_reasons():
-    async def run():
-        app = Host()
-        async with app.run_test(size=(80, 24)) as pilot:
-            screen = await app.open(pilot)
-            assert screen.cursor == 2  # the first token not held everywhere
-            assert reasons_shown(screen).startswith("position 2 ' magic' · prompt · held by 5 of 12")
-            await pilot.press("right")
-            assert screen.cursor == 3 and "' number'" in reasons_shown(screen)
-            await pilot.press("end")
-            assert screen.cursor == len(PIECES) - 1 and "answer token 13" in reasons_shown(screen)
-            await pilot.press("home", "down")
-            assert screen.text.line_of(screen.cursor) == 1
-            await pilot.press("up", "left")
-            assert screen.cursor == 0 and "layers 0–5: sink ×2" in reasons_shown(screen)
-            # A click on a token of the answer's " magic" (gone everywhere) selects it.
-            target = min(GONE)
-            y = screen.text.line_of(target)
-            x = next(s.column for s in screen.text.lines()[y] if s.position == target)
-            await pilot.click(screen.text, offset=(x + 1, y))
-            assert screen.cursor == target
-            assert "layers 0–5: evicted ×2" in reasons_shown(screen)
-            # A click on the strip's first column selects the first position.
-            await pilot.click(screen.strip, offset=(screen.strip.label_width(), 0))
-            assert screen.cursor == 0
-            await pilot.press("escape")
-            assert not isinstance(app.screen, KeptScreen)
+    async def check(pilot, screen):
+        assert screen.cursor == 2  # the first token not held everywhere
+        assert reasons_shown(screen).startswith("position 2 ' magic' · prompt · held by 5 of 12")
+        await pilot.press("right")
+        assert screen.cursor == 3 and "' number'" in reasons_shown(screen)
+        await pilot.press("end")
+        assert screen.cursor == len(PIECES) - 1 and "answer token 13" in reasons_shown(screen)
+        await pilot.press("home", "down")
+        assert screen.text.line_of(screen.cursor) == 1
+        await pilot.press("up", "left")
+        assert screen.cursor == 0 and "layers 0–5: sink ×2" in reasons_shown(screen)
+        # A click on a token of the answer's " magic" (gone everywhere) selects it.
+        await click_token(pilot, screen.text, min(GONE))
+        assert screen.cursor == min(GONE)
+        assert "layers 0–5: evicted ×2" in reasons_shown(screen)
+        # A click on the strip's first column selects the first position.
+        await pilot.click(screen.strip, offset=(screen.strip.label_width(), 0))
+        assert screen.cursor == 0
+        await pilot.press("escape")
+        assert not isinstance(screen.app.screen, KeptScreen)
 
-    asyncio.run(run())
+    on_view(Host(), check)
 
 
 def test_the_map_is_fetched_when_opened_and_after_a_compression_not_per_frame():
-    async def run():
-        app = Host()
-        async with app.run_test(size=(80, 24)) as pilot:
-            screen = await app.open(pilot)
-            assert app.fetches == 1
-            for _ in range(5):
-                screen.ask()  # within the second: no fetch
-            await app.workers.wait_for_complete()
-            assert app.fetches == 1
-            screen.engine_events([])  # nothing happened to the request
-            other = Compressed(request=9, time=0, blocks_before=3, blocks_after=3, tokens_before=48, tokens_after=32,
-                               evicted_per_layer=16, recent_kept=18, times=1, seconds=0.0)
-            screen.engine_events([other])
-            await app.workers.wait_for_complete()
-            assert app.fetches == 1
-            screen.engine_events([dataclasses.replace(other, request=1)])
-            await app.workers.wait_for_complete()
-            await pilot.pause()
-            assert app.fetches == 2
+    app = Host()
 
-    asyncio.run(run())
+    async def check(pilot, screen):
+        assert app.fetches == 1
+        for _ in range(5):
+            screen.ask()  # within the second: no fetch
+        await app.workers.wait_for_complete()
+        assert app.fetches == 1
+        screen.engine_events([])  # nothing happened to the request
+        other = Compressed(request=9, time=0, blocks_before=3, blocks_after=3, tokens_before=48, tokens_after=32,
+                           evicted_per_layer=16, recent_kept=18, times=1, seconds=0.0)
+        screen.engine_events([other])
+        await app.workers.wait_for_complete()
+        assert app.fetches == 1
+        screen.engine_events([dataclasses.replace(other, request=1)])
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.fetches == 2
 
-
-def screenshots_dir(tmp_path) -> Path:
-    folder = os.environ.get("ZIPAGE_SCREENSHOTS")
-    return Path(folder) if folder else tmp_path
+    on_view(app, check)
 
 
-@pytest.mark.parametrize("theme", ["dark", "high-contrast"])
-@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+@EVERY_LOOK
 def test_screenshots(tmp_path, theme, size):
-    async def run():
-        app = Host(theme)
-        async with app.run_test(size=size) as pilot:
-            screen = await app.open(pilot)
-            screen.move_to(7)
-            await pilot.pause()
-            path = screenshots_dir(tmp_path) / f"kept-{theme}-{size[0]}x{size[1]}.svg"
-            app.save_screenshot(str(path))
-            svg = path.read_text().replace("&#160;", " ")
-            for words in ("What #1 (chat-1) still holds", "Layers × positions", "kept everywhere", "gone everywhere",
-                          "position 7", "48213", "answer"):
-                assert words in svg, words
-
-    asyncio.run(run())
+    svg = view_screenshot(Host(theme), size, 7, tmp_path, f"kept-{theme}")
+    for words in ("What #1 (chat-1) still holds", "Layers × positions", "kept everywhere", "gone everywhere",
+                  "position 7", "48213", "answer"):
+        assert words in svg, words
 
 
 def test_high_contrast_shades_without_colour():
     """Gone, partly held, mostly held and kept everywhere differ by text style, not only by colour."""
-    async def run():
-        app = Host("high-contrast")
-        async with app.run_test(size=(80, 24)) as pilot:
-            screen = await app.open(pilot)
-            styles = [screen.text.style_for(f"kept--{name}") for name in ("gone", "partly", "mostly", "all")]
-            looks = [(bool(s.strike), bool(s.underline), bool(s.bold)) for s in styles]
-            assert looks == [(True, False, False), (False, True, False), (False, False, False), (False, False, True)]
-
-    asyncio.run(run())
+    styles = view_styles(Host("high-contrast"), [f"kept--{name}" for name in ("gone", "partly", "mostly", "all")])
+    looks = [(bool(s.strike), bool(s.underline), bool(s.bold)) for s in styles]
+    assert looks == [(True, False, False), (False, True, False), (False, False, False), (False, False, True)]
 
 
 # -- the real engine ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine():
-    service = EngineThread("random:llama-tiny", **KNOBS)
-    yield service
-    service.resume()
-    service.close()
-
-
 def step_until(engine, condition, steps: int = 400):
     """Step a paused engine until the snapshot after a step satisfies `condition`."""
     for _ in range(steps):
@@ -346,40 +295,27 @@ def test_chat_remembers_an_answers_map_at_each_compression_for_after_it_ends(eng
 
 
 def test_teaching_mode_names_what_a_compression_dropped_then_shows_what_is_left(engine):
-    prompt = "The special magic number for lemon is 48213. Gulls circled above the roofs."
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    load = LoadGenerator(engine, prompt_source(engine, [prompt], 8, 0), params, concurrency=1)
+    async def check(app, pilot):
+        note = ""
+        for _ in range(100):
+            await teach_step(app, pilot)
+            note = " ".join(str(app.query_one("#explain").render()).split())
+            if "was compressed this step" in note:
+                break
+        found = re.search(r"Dropped '(.+?)' in (\d+)(?:–\d+)? of 2 layers", note)
+        assert found, note
+        request = app.selected
+        text = "".join(p for p in app.book.pieces(request, 400) if p).replace("\n", "↵")
+        assert found.group(1).strip("…") in text
+        assert re.search(r"\d+ positions? left at least one layer", note)
+        await pilot.press("k")
+        await wait_for(pilot, lambda: isinstance(app.screen, KeptScreen) and app.screen.holding is not None,
+                       what="the kept view")
+        assert app.screen.request == request and "prompt" in reasons_shown(app.screen)
+        await pilot.press("q")
+        assert not isinstance(app.screen, KeptScreen)
+        keys = await help_text(app, pilot)
+        assert "k or f3" in keys
 
-    async def run():
-        app = TopApp(engine, load, teach=True)
-        async with app.run_test(size=(120, 36)) as pilot:
-            await wait_for(pilot, lambda: engine.paused and app.table.row_count > 0, what="the queued load")
-            note = ""
-            for _ in range(100):
-                await pilot.press("space")
-                await app.workers.wait_for_complete()
-                await pilot.pause()
-                note = " ".join(str(app.query_one("#explain").render()).split())
-                if "was compressed this step" in note:
-                    break
-            found = re.search(r"Dropped '(.+?)' in (\d+)(?:–\d+)? of 2 layers", note)
-            assert found, note
-            request = app.selected
-            text = "".join(p for p in app.book.pieces(request, 400) if p).replace("\n", "↵")
-            assert found.group(1).strip("…") in text
-            assert re.search(r"\d+ positions? left at least one layer", note)
-            await pilot.press("k")
-            await wait_for(pilot, lambda: isinstance(app.screen, KeptScreen) and app.screen.holding is not None,
-                           what="the kept view")
-            assert app.screen.request == request and "prompt" in reasons_shown(app.screen)
-            await pilot.press("q")
-            assert not isinstance(app.screen, KeptScreen)
-            keys = await help_text(app, pilot)
-            assert "k or f3" in keys
-
-    try:
-        asyncio.run(run())
-    finally:
-        engine.resume()
-        for r in engine.snapshot(fresh=True).requests:
-            engine.abort(r.id)
+    in_teaching_mode(engine, "The special magic number for lemon is 48213. Gulls circled above the roofs.",
+                     SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), check)

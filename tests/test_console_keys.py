@@ -8,19 +8,11 @@ import asyncio
 import pytest
 from textual.screen import ModalScreen
 
-from console_helpers import KNOBS, send_terminal_bytes, wait_for
-from zipage.engine.api.thread import EngineThread
+from console_helpers import send_terminal_bytes, wait_for
+from console_helpers import engine  # noqa: F401 (a fixture)
 from zipage.cli.console.chat import ChatApp
 from zipage.cli.console.top import TopApp
 from zipage.cli.console.widgets import ConfirmScreen, HelpScreen
-
-
-@pytest.fixture(scope="module")
-def engine():
-    service = EngineThread("random:llama-tiny", **KNOBS)
-    yield service
-    service.resume()
-    service.close()
 
 
 def keys_of(app) -> list[str]:

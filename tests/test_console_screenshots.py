@@ -17,11 +17,13 @@ from zipage.engine.config import SamplingParams
 from zipage.engine.api.thread import EngineThread
 from zipage.cli.console.chat import ChatApp, Message
 from zipage.cli.console.kept_source import TokenBook
+from zipage.cli.console.fit import ItemsLine
 from zipage.cli.console.top import TopApp
-from zipage.cli.console.widgets import BlockTable
+from zipage.cli.console.widgets import BlockTable, EnginePanes, Gauge
 
 # Small blocks and budget, so compression, prefix sharing and the pool map all show at a glance.
 KNOBS = dict(device="cpu", block_size=16, window=8, max_cache_blocks_per_seq=4, num_kv_blocks=160)
+TINY_KNOBS = dict(KNOBS, max_cache_blocks_per_seq=2)  # short answers already get compressed
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +167,141 @@ def test_kept_view_screenshot(smol, out_dir, size):
 
     asyncio.run(run())
     check_svg(out_dir / name("kept", size), "still holds", "Layers", "held by")
+
+
+# -- every pane fits -----------------------------------------------------------------------------
+# At each size, in each app's default layout, every figure line of every pane is shown whole on one row
+# (no figure wrapped onto the next line, none cut at the pane's edge or bottom) and every hint shows.
+# The tiny model keeps it quick; the layout does not depend on what the text says.
+FIT_SIZES = [(80, 24), (100, 30), (120, 36), (200, 50)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    service = EngineThread("random:llama-tiny", **TINY_KNOBS)
+    yield service
+    service.close()
+
+
+def visible_rows(app, widget) -> list[str]:
+    """What the screen shows inside `widget`'s content area, row by row, as the terminal would draw it."""
+    geometry = app.screen.find_widget(widget)  # where it is, and what its containers let show of it
+    region = geometry.region.shrink(widget.styles.gutter).intersection(geometry.clip)
+    strips = app.screen._compositor.render_strips()
+    return [strip.crop(region.x, region.right).text for strip in strips[region.y:region.bottom]]
+
+
+def assert_whole(app, widget, what: str) -> None:
+    """Each line the widget draws fits its width and is on screen, whole, on a row of its own."""
+    rows = visible_rows(app, widget)
+    for line in str(widget.render()).splitlines():
+        if line.strip():
+            assert len(line.rstrip()) <= widget.content_size.width, f"{what}: {line!r} is wider than its pane"
+            assert any(row.rstrip() == line.rstrip() for row in rows), f"{what}: {line!r} is not shown whole: {rows}"
+
+
+def assert_items_whole(app, line: ItemsLine, what: str) -> None:
+    """A line of items: on screen whole, and no item split across two rows."""
+    assert_whole(app, line, what)
+    shown = "\n".join(visible_rows(app, line))
+    for item in line.shown(line.content_size.width).split(" · "):
+        assert item in shown, f"{what}: {item!r} is split or missing: {shown!r}"
+
+
+def on_screen(app) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def assert_panes_fit(app) -> None:
+    """The panes both apps share, where the side column shows."""
+    panes = app.query_one(EnginePanes)
+    if not app.query_one(".side").display:
+        return
+    assert_whole(app, panes.latency, "latency")
+    for gauge in panes.gauges.query(Gauge):
+        assert_whole(app, gauge, f"gauge {gauge.label}")
+    for label in (panes.throughput.prefill_label, panes.throughput.decode_label):
+        assert_whole(app, label, "throughput")
+    assert "click: window" in on_screen(app)
+    events = app.query_one("#events")
+    assert events.region.bottom <= app.size.height - 1 and events.content_region.height >= 2, "the event log is cut"
+
+
+@pytest.mark.parametrize("size", FIT_SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_chat_pane_fits(tiny, size):
+    async def run():
+        app = ChatApp(tiny, sessions=2, temperature=0.0, max_tokens=30, system="You answer briefly and kindly.")
+        async with app.run_test(size=size) as pilot:
+            first, second = app.sessions.values()
+            await type_line(pilot, "hello there")
+            await wait_for(pilot, lambda: not first.busy and first.view.query(ItemsLine))
+            tiny.pause()  # the second answer is held mid-way, so its blocks and the settings' hint show
+            try:
+                app.ask(second, "a long story please")
+                await wait_for(pilot, lambda: second.handle is not None)
+                for _ in range(12):
+                    tiny.step_once()
+                await wait_for(pilot, lambda: app.query_one(BlockTable).requests, what="the blocks pane")
+                await pilot.pause(0.3)
+                assert_items_whole(app, first.view.query(ItemsLine).last(), "the answer's figures")
+                assert_items_whole(app, app.settings, "the settings line")
+                assert app.prompt.placeholder.startswith("Message (Enter sends")
+                assert app.prompt.placeholder in on_screen(app), "the message box's hint is cut"
+                assert_panes_fit(app)
+                if app.query_one(".side").display:
+                    table = app.query_one(BlockTable)
+                    header = str(table.render()).split("\n")[0]
+                    assert any(row.rstrip() == header.rstrip() for row in visible_rows(app, table)), header
+                await pilot.press("alt+right")
+                await pilot.pause()
+                assert "answering… (Esc stops)" in app.settings.text
+                assert_items_whole(app, app.settings, "the busy session's settings line")
+            finally:
+                tiny.abort(second.handle)
+                tiny.resume()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("size", FIT_SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_top_pane_fits_in_teaching_mode_after_a_compression(tiny, size):
+    for leftover in tiny.snapshot(fresh=True).requests:
+        tiny.abort(leftover.id)
+    book = TokenBook(tiny)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        app = TopApp(tiny, None, teach=True, book=book)
+        async with app.run_test(size=size) as pilot:
+            await wait_for(pilot, lambda: tiny.paused, what="teaching mode")
+            for i in range(3):
+                book.submit([{"role": "user", "content": f"question {i} about the sea"}], params)
+            for _ in range(80):  # by hand, one step per key, until a step compressed the selected request
+                await pilot.press("space")
+                await app.workers.wait_for_complete()
+                await pilot.pause()
+                if "was compressed this step" in " ".join(str(app.explain.render()).split()):
+                    break
+            else:
+                raise AssertionError("no compression of the selected request in 80 steps")
+            await pilot.pause(0.3)
+            shown = on_screen(app)
+            assert_items_whole(app, app.explain_hints, "the teaching hints")
+            for hint in ("space: ", "t: run freely", "↑/↓ selects", "· free"):
+                assert hint in shown, hint
+            title = app.explain_pane.border_title
+            assert title in shown, "the teaching pane's title is cut"
+            # The explanation is whole on screen, or scrolls: its last line then shows at the scroll's end.
+            scroll = app.query_one("#explain-scroll")
+            last = str(app.explain.render()).rstrip().splitlines()[-1]
+            scroll.scroll_end(animate=False)
+            await pilot.pause()
+            assert any(row.strip() and last.endswith(row.strip()) for row in visible_rows(app, app.explain)), last
+            assert_panes_fit(app)
+            legend = app.pool.legend(app.pool.LEGEND, app.pool.content_size.width)
+            for line in str(legend).splitlines():
+                assert line.rstrip() in shown, f"the pool's legend is cut: {line!r}"
+            for leftover in tiny.snapshot(fresh=True).requests:
+                tiny.abort(leftover.id)
+
+    asyncio.run(run())

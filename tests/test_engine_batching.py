@@ -21,7 +21,7 @@ class PrefillCounter:
         self.max_step_tokens = 0
         self.batch_sizes = []
 
-        def launch(batch, previous=None):
+        def launch(batch, *rest):
             if batch.is_prefill:
                 n = sum(batch.num_new_tokens[batch.num_decode:])  # a mixed step's decode tokens aside
                 self.prefill_tokens += n
@@ -29,7 +29,7 @@ class PrefillCounter:
                 self.max_step_tokens = max(self.max_step_tokens, n)
             else:
                 self.batch_sizes.append(len(batch.seqs))
-            return self.inner(batch, previous)
+            return self.inner(batch, *rest)
 
         self.runner.launch = launch
 

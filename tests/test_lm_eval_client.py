@@ -3,7 +3,7 @@ model: a multiple-choice task scored by log-likelihood (echo, logprobs, max_toke
 generate_until task, both shipped in tests/lm_eval_tasks (no download). Its log-likelihoods are the
 engine's own prompt logprobs, and its generations the engine's greedy answers.
 
-Needs the eval-client extra (pip install -e ".[test,eval-client]", as CI does)."""
+Needs the eval-client extra, which the clients extra includes (pip install -e ".[test,clients]", as CI does)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from serve_helpers import API_KEY, start_server, stop_server
 from zipage.engine import LLM, SamplingParams
 from zipage.testing import save_random_model
 
-lm_eval = pytest.importorskip("lm_eval", reason='the eval-client extra: pip install -e ".[test,eval-client]"')
+lm_eval = pytest.importorskip("lm_eval", reason='the clients extra: pip install -e ".[test,clients]"')
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "lm_eval_tasks"  # their data_files are paths from the repository's root

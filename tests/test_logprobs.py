@@ -246,8 +246,8 @@ def test_requests_that_ask_nothing_cost_no_logprob_work(llm, monkeypatch):
     steps = []
     launch = ModelRunner.launch
 
-    def spy(self, batch, previous=None):
-        step = launch(self, batch, previous)
+    def spy(self, batch, *rest):
+        step = launch(self, batch, *rest)
         steps.append(step)
         return step
 

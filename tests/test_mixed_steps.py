@@ -26,9 +26,9 @@ def tokens_per_step_while_prefilling(engine, long_prompt) -> tuple[list[list[int
         check_step(engine)
     batches, launch = [], engine.runner.launch
 
-    def record(batch, previous=None):
+    def record(batch, *rest):
         batches.append(batch)
-        return launch(batch, previous)
+        return launch(batch, *rest)
 
     engine.runner.launch = record
     long = engine.add_request(long_prompt, greedy(5))
@@ -83,7 +83,7 @@ def test_greedy_output_is_the_same_with_mixed_steps_or_without(model_path, chunk
     for mixed in (True, False):
         engine = make_engine(model_path, max_num_batched_tokens=chunk, num_kv_blocks=8, mixed_steps=mixed)
         batches, launch = [], engine.runner.launch
-        engine.runner.launch = lambda batch, previous=None: batches.append(batch) or launch(batch, previous)
+        engine.runner.launch = lambda batch, *rest: batches.append(batch) or launch(batch, *rest)
         try:
             seqs = [engine.add_request(p, greedy(50)) for p in prompts]
             done = run(engine)
@@ -116,7 +116,7 @@ def test_a_prompt_admitted_in_the_step_that_compresses_the_request_it_shares_wit
         engine.step()
         b = engine.add_request(prompts[1], greedy(60))
         batches, launch = [], engine.runner.launch
-        engine.runner.launch = lambda batch, previous=None: batches.append(batch) or launch(batch, previous)
+        engine.runner.launch = lambda batch, *rest: batches.append(batch) or launch(batch, *rest)
         engine.step()
         assert a.times_compressed == 1 and b in batches[0].admitted  # the same step
         assert b.num_cached_prefix_tokens == 48

@@ -155,6 +155,32 @@ def test_each_of_several_prompts_gets_its_own_logprobs(client, offline):
         assert [o for p in parts for o in p.text_offset] == choice.logprobs.text_offset
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_with_token_ids_each_token_carries_the_engines_logprobs_by_id(client, offline, chat):
+    """return_token_ids adds `logprobs_by_id` beside the ids: the engine's TokenLogprobs as they are, whole
+    and streamed alike; without return_token_ids, or without logprobs, none."""
+    from zipage.engine.logprobs import TokenLogprobs
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    expected = offline.chat(messages, params) if chat else offline.generate([PROMPT], params)[0]
+    create = client.chat.completions.create if chat else client.completions.create
+    asked = dict(messages=messages, logprobs=True, top_logprobs=2) if chat else dict(prompt=PROMPT, logprobs=2)
+    kwargs = dict(model=MODEL, max_tokens=5, temperature=0, **asked)
+    ids = {"ignore_eos": True, "return_token_ids": True}
+    whole = create(**kwargs, extra_body=ids).choices[0].model_extra["logprobs_by_id"]
+    entries = [TokenLogprobs.from_dict(d) for d in whole]
+    assert [(e.token_id, e.rank, list(e.top)) for e in entries] == [(x.token_id, x.rank, list(x.top))
+                                                                     for x in expected.logprobs]
+    assert [e.logprob for e in entries] == pytest.approx([x.logprob for x in expected.logprobs], abs=TOL)
+    chunks = list(create(**kwargs, stream=True, extra_body=ids))
+    assert [d for c in chunks if c.choices for d in c.choices[0].model_extra.get("logprobs_by_id") or []] == whole
+    plain = create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
+    assert "logprobs_by_id" not in plain.model_extra
+    unasked = dict(messages=messages) if chat else dict(prompt=PROMPT)
+    assert "logprobs_by_id" not in create(model=MODEL, max_tokens=2, **unasked, extra_body=ids).choices[0].model_extra
+
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 BAD = [
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),

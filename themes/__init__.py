@@ -81,6 +81,16 @@ _PALETTES = {
     "kept_mostly_style":  ("none",          "none",          "none"),
     "kept_all":           ("#d5dae5",       "#222834",       "#ffffff"),
     "kept_all_style":     ("none",          "none",          "bold"),
+    # The probability view: a token the model gave 90% or more, 50-90%, 10-50%, under 10%. High contrast
+    # shades by style as well (bold, plain, underline, reverse), so it reads without colour.
+    "prob_sure":          ("#d5dae5",       "#222834",       "#ffffff"),
+    "prob_sure_style":    ("none",          "none",          "bold"),
+    "prob_likely":        ("#e0af68",       "#9a6a00",       "#ffff00"),
+    "prob_likely_style":  ("none",          "none",          "none"),
+    "prob_unsure":        ("#ff9e64",       "#d35400",       "#ff8000"),
+    "prob_unsure_style":  ("none",          "none",          "underline"),
+    "prob_rare":          ("#f7768e",       "#c0392b",       "#ff0000"),
+    "prob_rare_style":    ("bold",          "bold",          "reverse"),
 }
 
 

@@ -9,11 +9,12 @@ import torch
 
 
 def save_random_model(folder: Path | str, family: str = "llama-tiny", seed: int = 0, init: float = 0.2,
-                      vary_norms: bool = True):
+                      vary_norms: bool = True, chat_template: str | None = None):
     """A transformers model of the `random:<family>` preset's shape with seeded random weights, saved
     with the preset's byte tokenizer as an HF folder (safetensors). Weights ~N(0, init); with
     `vary_norms`, norm weights around 1 and non-zero biases too, so every model switch matters.
-    Returns the model (float32, eval mode)."""
+    `chat_template`: the tokenizer's template instead of the preset's. Returns the model (float32, eval
+    mode)."""
     from transformers import AutoModelForCausalLM
 
     from zipage.engine.loading.loader import resolve_model
@@ -33,6 +34,8 @@ def save_random_model(folder: Path | str, family: str = "llama-tiny", seed: int 
                     param.copy_(0.5 * torch.randn(param.shape, generator=gen))
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
+    if chat_template is not None:
+        source.tokenizer.chat_template = chat_template
     source.tokenizer.save_pretrained(folder)
     return model
 

@@ -261,7 +261,7 @@ def hf_model(config: EngineConfig):
 
     source = resolve_model(config.model)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.weight_dtype)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
     weights = (_random_weights(source.hf_config, config.seed, device, dtype) if source.is_random

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 import typer
@@ -94,6 +95,8 @@ def generate(
     logprobs: int = typer.Option(None, "--logprobs", metavar="K",
                                  help="After the answer, print each token's log-probability and the K most likely "
                                       "tokens at its place (K in [0, 20])."),
+    json_schema: Path = typer.Option(None, "--json-schema", metavar="FILE",
+                                     help="Answer in JSON that matches the JSON schema in FILE (structured output)."),
     engine_kwargs: dict = None,
 ):
     """Stream the model's answer to a prompt to standard output."""
@@ -104,12 +107,28 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty, max_tokens=max_tokens, seed=sample_seed,
-                                kv_budget=_blocks(kv_budget, "--kv-budget"), logprobs=logprobs)
+                                kv_budget=_blocks(kv_budget, "--kv-budget"), logprobs=logprobs,
+                                json_schema=_read_schema(json_schema))
     service = _load_engine(engine_kwargs)
     try:
         _answer(service, prompt, params, raw, system, stats)
     finally:
         service.close()
+
+
+def _read_schema(path: Path | None) -> dict | None:
+    """The JSON schema in a --json-schema file; ValueError (a usage error) when it cannot be read."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"--json-schema {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, this file holds a {type(schema).__name__}")
+    return schema
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -203,8 +222,10 @@ def models():
     table.add_column("description / path", overflow="fold")  # a path wraps whole, never cut
     for row in list_models():
         offline = row.get("available")
+        # What a GGUF's weights run as on the CPU (weight_dtype auto); other models run in --dtype.
+        runs_at = f"\nCPU weights: {row['runs_at']}" if row.get("runs_at") else ""
         table.add_row(row["name"], row.get("kind", ""), "yes" if offline else ("-" if offline is None else "no"),
-                      str(row.get("path") or row.get("description", "")))
+                      str(row.get("path") or row.get("description", "")) + runs_at)
     Console().print(table)
 
 
@@ -298,6 +319,7 @@ def _attach(url: str, api_key: str | None, engine_kwargs: dict):
 SERVE_LIMITS_PANEL = "Limits and shutdown"
 ATTACH_HELP = "Use the engine of a running `zipage serve` at this URL (e.g. http://127.0.0.1:8000)."
 API_KEY_HELP = "The server's API key, with --attach."
+SAVED_PANEL = "Saved chats"
 
 
 def _check_writable(path: str | None, option: str) -> None:
@@ -323,11 +345,16 @@ def _check_theme(theme: str) -> None:
                     "  zipage chat --plain --max-tokens 128\n\n"
                     "  printf 'Hi!\\nName three planets.\\n' | zipage chat --plain --temperature 0\n\n"
                     "  zipage chat --attach http://127.0.0.1:8000   (chat with a running zipage serve)\n\n"
+                    "  zipage chat --resume   (reopen the sessions the last chat left open)\n\n"
+                    "  zipage chat --list-saved;  zipage chat --export 3 --output chat.md\n\n"
                     "Keys: Ctrl+N new session, Alt+W close, Alt+←/→ switch, ↑/↓ earlier messages, "
                     "Ctrl+B send to all sessions, Esc or Ctrl+C stop the answer (Ctrl+C twice quits), F3 or Alt+K what the "
-                    "answer's KV still holds, Ctrl+T theme, F1 help, Ctrl+Q quit.")
+                    "answer's KV still holds, F4 or Alt+P how likely each of its tokens was, Ctrl+O or Alt+O saved "
+                    "chats, Ctrl+T theme, F1 help, Ctrl+Q quit.")
 @engine_options
 def chat(
+    session: str = typer.Argument(None, metavar="SESSION", show_default=False,
+                                  help="With --resume: the saved session to reopen, by number or name."),
     plain: bool = typer.Option(False, "--plain", metavar="", help="Line-mode chat instead of the full-screen app (also used when "
                                            "standard input or output is not a terminal)."),
     sessions: int = typer.Option(1, min=1, max=16, help="Chat sessions to open at start."),
@@ -337,28 +364,93 @@ def chat(
     theme: str = typer.Option("dark", help="Colour theme: dark, light or high-contrast."),
     attach: str = typer.Option(None, help=ATTACH_HELP),
     api_key: str = typer.Option(None, envvar="ZIPAGE_API_KEY", help=API_KEY_HELP),
+    resume: bool = typer.Option(False, "--resume", metavar="", rich_help_panel=SAVED_PANEL,
+                                help="Reopen the sessions the last chat left open; with SESSION, that saved session "
+                                     "(zipage chat --list-saved lists them)."),
+    no_save: bool = typer.Option(False, "--no-save", metavar="", rich_help_panel=SAVED_PANEL,
+                                 help="Keep nothing of this chat on disk. Otherwise every session is saved as it "
+                                      "goes, in $ZIPAGE_DATA (default ~/.local/share/zipage)."),
+    list_saved: bool = typer.Option(False, "--list-saved", metavar="", rich_help_panel=SAVED_PANEL,
+                                    help="List the saved sessions, then exit."),
+    export_session: str = typer.Option(None, "--export", metavar="SESSION", rich_help_panel=SAVED_PANEL,
+                                       help="Print a saved session (number or name) as Markdown, or write it to "
+                                            "--output (JSON for a .json file), then exit."),
+    output: str = typer.Option(None, "--output", metavar="PATH", rich_help_panel=SAVED_PANEL,
+                               help="With --export: the file to write."),
     engine_kwargs: dict = None,
 ):
-    """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside."""
+    """Chat in several concurrent sessions, with KV blocks, events, throughput and memory live beside.
+    Every session is saved as it goes; --resume reopens them."""
     from zipage.engine.config import SamplingParams
     from zipage.cli.console.plain_chat import Conversation, run_plain
 
+    if list_saved or export_session:
+        _saved_chats_command(list_saved, export_session, output)
+        return
     _check_theme(theme)
     with usage_errors():
         SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    if session is not None and not resume:
+        usage_error(f"a saved session to reopen goes with --resume: zipage chat --resume {session}")
+    store, resumed = _saved_chats(no_save, resume, session)
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():
         if attach:
             _run_chat_app(_attach(attach, api_key, engine_kwargs), attach, theme, sessions, temperature, max_tokens,
-                          system)
+                          system, store, resumed)
         else:
             _run_chat_app(lambda: _engine_thread(interactive(engine_kwargs)), engine_kwargs.get("model", DEFAULT_MODEL),
-                          theme, sessions, temperature, max_tokens, system)
+                          theme, sessions, temperature, max_tokens, system, store, resumed)
         return
     engine = _attach(attach, api_key, engine_kwargs) if attach else _load_engine(interactive(engine_kwargs))
     try:
-        run_plain(engine, Conversation("chat", temperature, max_tokens, system))
+        run_plain(engine, Conversation("chat", temperature, max_tokens, system),
+                  saver=_saver(store, engine.config.model), resumed=resumed[0] if resumed else None)
     finally:
         engine.close()
+        if store is not None:
+            store.close()
+
+
+def _saved_chats(no_save: bool, resume: bool, session: str | None):
+    """The saved-chats file (None with --no-save) and the sessions --resume asks for (`session`, or what
+    the last chat left open); a file that cannot be used is a one-line error before anything loads."""
+    if no_save:
+        if resume:
+            usage_error("--resume reopens saved chats: leave out --no-save")
+        return None, []
+    from zipage.cli.console.saved.commands import to_resume
+    from zipage.cli.console.saved.store import ChatStore
+
+    with usage_errors():
+        store = ChatStore()
+        return store, to_resume(store, session) if resume else []
+
+
+def _saver(store, model: str):
+    from zipage.cli.console.saved.saver import ChatSaver
+
+    return ChatSaver(store, model)
+
+
+def _saved_chats_command(list_saved: bool, export_session: str | None, output: str | None) -> None:
+    """--list-saved and --export: the saved chats alone, no model loaded."""
+    from zipage.cli.console.saved.commands import export_saved, listing
+    from zipage.cli.console.saved.store import ChatStore
+
+    if output is not None and not export_session:
+        usage_error("--output goes with --export SESSION")
+    _check_writable(output, "--output")
+    with usage_errors():
+        store = ChatStore()
+        try:
+            if list_saved:
+                Console().print(listing(store))
+            else:
+                note = export_saved(store, export_session, output, sys.stdout)
+                if note:
+                    err.print(note)
+        finally:
+            store.close()
 
 
 def _engine_thread(engine_kwargs: dict):
@@ -368,17 +460,21 @@ def _engine_thread(engine_kwargs: dict):
 
 
 def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperature: float, max_tokens: int,
-                  system: str | None) -> None:
+                  system: str | None, store=None, resumed=()) -> None:
     """The full-screen chat draws at once; given a function that starts the engine (rather than an
     engine), it loads the model in the background."""
     from zipage.cli.console.chat import ChatApp
 
-    app = ChatApp(engine, theme, sessions, temperature, max_tokens, system, model_name=model_name)
+    saved_as = model_name if callable(engine) else engine.config.model  # an attached server's model, not its URL
+    app = ChatApp(engine, theme, sessions, temperature, max_tokens, system, model_name=model_name,
+                  saver=_saver(store, saved_as), resume=resumed)
     try:
         app.run()
     finally:
         if app.engine is not None:
             app.engine.close()
+        if store is not None:
+            store.close()
     if app.load_error is not None:
         usage_error(f"{app.load_error}")
 
@@ -389,7 +485,7 @@ def _run_chat_app(engine, model_name: str, theme: str, sessions: int, temperatur
                     "  zipage top --prompts questions.jsonl   (one {\"prompt\": \"...\"} per line)\n\n"
                     "  zipage top --attach http://127.0.0.1:8000   (watch a running zipage serve)\n\n"
                     "Keys: t teaching mode (pause), space one step, ↑/↓ select a request, k what its KV still "
-                    "holds, Ctrl+T theme, F1 help, q quit.")
+                    "holds, p (teaching mode) how likely its tokens were, Ctrl+T theme, F1 help, q quit.")
 @engine_options
 def top(
     concurrency: int = typer.Option(8, min=1, help="Requests kept in flight."),

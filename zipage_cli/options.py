@@ -16,6 +16,8 @@ KNOB_HELP = {
     "model": "Model: a built-in name (smollm2-135m), a .gguf file, an HF folder, a hub id, or random:PRESET.",
     "device": "cpu or cuda (default: cuda when available).",
     "dtype": "float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).",
+    "weight_dtype": "auto: a quantized GGUF runs as stored on the CPU (Q4_0/Q4_1/Q4_K as int4); "
+                    "float32 or bfloat16: dequantize every weight to that dtype.",
     "compression": "Bound each request's KV cache (off = full-KV baseline).",
     "block_size": "Tokens per KV block (default 256 on GPU, 32 on CPU).",
     "max_cache_blocks_per_seq": "Block budget n of a request that names none (its own: kv_budget).",

@@ -47,8 +47,10 @@ class FrontDoor(Door, Protocol):
 
     tokenizer: Any  # None where the tokenizer lives on the far side (an attached server)
 
-    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RequestHandle:
-        """Queue a prompt (text, token ids or chat messages); iterate the handle for its text."""
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        """Queue a prompt (text, token ids or chat messages); iterate the handle for its text. `on_output`
+        is called with each RequestOutput of the request, on the door's own thread: it must be quick."""
 
     def abort(self, handle: RequestHandle | int) -> None:
         """Stop a request and free its blocks; a no-op once it ended or the door closed."""
@@ -67,6 +69,10 @@ class FrontDoor(Door, Protocol):
     @property
     def alive(self) -> bool:
         """Whether the engine behind the door still serves."""
+
+    @property
+    def can_pause(self) -> bool:
+        """Whether `pause` can hold the engine from here (False where it serves others: a server)."""
 
     @property
     def paused(self) -> bool:

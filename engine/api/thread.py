@@ -135,6 +135,10 @@ class EngineThread(MessageHandler):
         return self._thread.is_alive()
 
     @property
+    def can_pause(self) -> bool:
+        return True  # the loop is this process's own
+
+    @property
     def paused(self) -> bool:
         return self._paused.is_set()
 

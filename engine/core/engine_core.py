@@ -16,6 +16,7 @@ from zipage.engine.kv.block_manager import BlockManager
 from zipage.engine.kv.compressor import CompressionJob, Compressor
 from zipage.engine.config import EngineConfig, SamplingParams
 from zipage.engine.loading.detokenizer import IncrementalDetokenizer
+from zipage.engine.loading.grammars import Grammars
 from zipage.engine.kv.geometry import CompressionGeometry, check_request_budget
 from zipage.engine.kv.kept import KeptMap
 from zipage.engine.kv.kept_reasons import kept_map
@@ -87,6 +88,7 @@ class EngineCore:
                        if config.compression and config.async_compress else None)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
         self.vocab_size = hf.vocab_size
+        self.grammars = Grammars(self.tokenizer, hf.vocab_size, sorted(self.eos_token_ids))
 
         self.closed = False
         self.requests: dict[int, Sequence] = {}
@@ -136,6 +138,8 @@ class EngineCore:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self.check_budget(params.kv_budget)
+        if params.json_schema is not None:
+            self.grammars.compile(params.json_schema)  # a schema the library refuses is the caller's error
         return params
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
@@ -156,6 +160,8 @@ class EngineCore:
         self.check_open()
         seq = Sequence(ids, params, session=session, stream_seed=_stream_seed(self.config.seed, self.num_added))
         seq.forced_tokens = forced_tokens
+        if params.json_schema is not None:
+            seq.grammar = self.grammars.compile(params.json_schema)
         self.num_added += 1
         self.requests[seq.id] = seq
         if stream or params.stop:
@@ -234,7 +240,9 @@ class EngineCore:
     def _may_overlap(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before this batch's tokens are known: plain decode,
         and nothing needs the host to see a token before the next forward (penalties read the tokens,
-        teacher forcing and logit observers replace or read each row)."""
+        teacher forcing and logit observers replace or read each row). A grammar's mask follows each
+        token too, but only sampling needs it: the step in flight is read after the next forward is
+        queued and before that forward's rows are sampled (`_overlapped_step`)."""
         return (self.overlap and not batch.is_prefill and self.runner.logits_observer is None
                 and all(not seq.params.penalised and seq.forced_tokens is None for seq in batch.seqs))
 
@@ -260,9 +268,12 @@ class EngineCore:
             outputs += self._start_compression(job)
         if not batch.seqs:  # a short pool compresses every request that would decode (elastic budgets)
             return outputs + self._collect_inflight()
-        launched = self._launch(batch, previous)
+        # A grammar's mask needs the tokens in flight: the runner reads them, once this forward is
+        # queued, before it samples (docs/design-notes.md, "Structured output").
+        collected = []
+        launched = self._launch(batch, previous, before_sampling=lambda: collected.extend(self._collect_inflight()))
         self.overlapped_steps += 1
-        outputs += self._collect_inflight()
+        outputs += collected + (self._collect_inflight() if self.inflight is not None else [])
         if not isinstance(launched, LaunchedStep):
             return outputs + launched
         # Only now are the tokens whose KV this step writes all known: block hashes read them.
@@ -289,11 +300,12 @@ class EngineCore:
         tokens, failed = self._collect(launched)
         return failed + self._apply_tokens(launched.batch, tokens, launched.token_logprobs)
 
-    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep | list[RequestOutput]:
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
+                before_sampling=None) -> LaunchedStep | list[RequestOutput]:
         """Queue the batch's forward; a failure ends the requests in it (not the engine)."""
         started = time.monotonic()
         try:
-            launched = self.runner.launch(batch, previous)
+            launched = self.runner.launch(batch, previous, before_sampling)
         except Exception as e:
             return self._fail_batch(batch, e)
         launched.started = started
@@ -351,7 +363,8 @@ class EngineCore:
                 seq.logprobs.append(logprobs[i])
             self.latency.token(seq.id, seq.arrival_time)
             self.totals["generated_tokens"] += 1
-            out = self._after_token(seq, token)
+            refused = seq.grammar.accept(token) if seq.grammar is not None else None
+            out = self._after_token(seq, token) if refused is None else self._finish(seq, "error", error=refused)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -407,6 +420,8 @@ class EngineCore:
         if detok is not None and detok.stopped_at is not None:
             reason = "stop"
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.done:  # the JSON is complete: only its end may follow
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

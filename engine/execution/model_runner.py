@@ -16,6 +16,8 @@ from zipage.engine.kv.geometry import CompressionGeometry
 from zipage.engine.execution.cuda_graphs import DecodeGraphs
 from zipage.engine.execution.models import CausalLM, ForwardBatch, head_dim_of
 from zipage.engine.execution.models.parallel import TensorParallel
+from zipage.engine.execution.models.quantized import report_weights
+from zipage.engine.execution.grammar_masks import fill_bitmasks
 from zipage.engine.execution.sampler import Sampler, upload
 from zipage.engine.execution.token_logprobs import PROMPT_ROWS_AT_ONCE, PromptScoring, reduce_rows, to_host, unpack_rows
 from zipage.engine.scheduling.scheduler import ScheduledBatch
@@ -54,7 +56,8 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | None, device: torch.device, weight_dtype: str = "auto") -> torch.dtype:
+    dtype = dtype or (None if weight_dtype == "auto" else weight_dtype)  # dequantized weights set the dtype
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
@@ -71,11 +74,17 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _load_weights(model: CausalLM, source: ModelSource) -> None:
+def keeps_quantized(config: EngineConfig, device: torch.device, source: ModelSource, tp: TensorParallel) -> bool:
+    """Whether a GGUF's quantized weights stay quantized: weight_dtype "auto" on one CPU rank
+    (docs/design-notes.md, "Quantized CPU weights"); the GPU dequantizes them."""
+    return config.weight_dtype == "auto" and device.type == "cpu" and not tp.enabled and source.is_gguf
+
+
+def _load_weights(model: CausalLM, source: ModelSource, quantized: bool = False) -> None:
     """The source's weights into the model; a weight that is missing, misshapen or corrupt names the
     model file or folder it came from."""
     try:
-        model.load_weights(source.load_weights())
+        model.load_weights(source.load_weights(quantized))
     except ValueError as e:
         raise ValueError(f"model {source.path!r}: {e}") from None
 
@@ -91,7 +100,7 @@ class ModelRunner:
         self.tp = tp
         self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.weight_dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
         hf = source.hf_config
@@ -114,10 +123,12 @@ class ModelRunner:
         if source.is_random:
             model.init_random(config.seed)
         else:
-            _load_weights(model, source)
+            _load_weights(model, source, keeps_quantized(config, self.device, source, tp))
+            report_weights(model.weight_report)
         self.model = model.eval()
         self.model.rope.set_length(max_model_len)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size()
+                                for p in itertools.chain(self.model.parameters(), self.model.buffers()))
         # On the CPU the matrix products are most of a step: oneDNN's packed weights speed them up.
         self.packed_weights = self.device.type == "cpu" and self.model.pack_for_cpu()
         self.sampler = Sampler(config.seed)
@@ -411,10 +422,12 @@ class ModelRunner:
         return self.position_cache[:, index].cpu(), self.choice_cache[:, index].cpu()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
+               before_sampling=None) -> LaunchedStep:
         """Queue the forward and sampling of one batch; the ids stay on the device until `collect`.
         With `previous`, the input of every request that sampled there is its id from that step,
-        read on the device: the host never waited for it."""
+        read on the device: the host never waited for it. `before_sampling()` reads that step's tokens
+        when a grammar needs them, once the forward is queued."""
         packed, header, sampling = self.pack(batch)
         prompt = PromptScoring.plan(batch)
         if prompt is not None:
@@ -427,7 +440,8 @@ class ModelRunner:
         if logits is not None:
             requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]
             prompt_lens = [batch.seqs[i].num_prompt_tokens for i in sampling]
-            step.ids = self.sampler.sample_on_device(logits, requests, prompt_lens)
+            masks = self._grammar_masks(batch, sampling, before_sampling)
+            step.ids = self.sampler.sample_on_device(logits, requests, prompt_lens, masks)
             step.logprob_rows = [row for row, i in enumerate(sampling) if batch.seqs[i].params.logprobs is not None]
             if step.logprob_rows:
                 step.logprobs = to_host(self._token_logprobs(step, logits))
@@ -440,6 +454,26 @@ class ModelRunner:
             step.ready = torch.cuda.Event()  # after every copy of the step
             step.ready.record()
         return step
+
+    def _grammar_masks(self, batch: ScheduledBatch, sampling: list[int], before_sampling=None
+                       ) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, host bitmasks) of the sampled rows whose requests a grammar constrains, None when none
+        is. Written while the device runs the forward just queued, after `before_sampling()` has read
+        the tokens of the step before (each grammar must have seen every token)."""
+        if before_sampling is not None and any(batch.seqs[i].grammar is not None for i in sampling):
+            before_sampling()
+        # A request that ended with the step before samples a token nobody reads: it needs no mask.
+        rows = [row for row, i in enumerate(sampling)
+                if batch.seqs[i].grammar is not None and not batch.seqs[i].is_finished]
+        if not rows:
+            return None
+        grammars = [batch.seqs[sampling[row]].grammar for row in rows]
+        for row, grammar in zip(rows, grammars):
+            seq = batch.seqs[sampling[row]]
+            if grammar.consumed != seq.num_output_tokens:
+                raise RuntimeError(f"request {seq.id}: its grammar saw {grammar.consumed} of "
+                                   f"{seq.num_output_tokens} output tokens")
+        return rows, fill_bitmasks(grammars, self.model.config.vocab_size, pin=self.device.type == "cuda")
 
     def _token_logprobs(self, step: LaunchedStep, logits: torch.Tensor) -> torch.Tensor:
         """The reduced rows (token_logprobs.py) of the sampled tokens whose requests asked, from the raw

@@ -1,11 +1,12 @@
 """Next-token choice: greedy, temperature, top-k, top-p, min-p, repetition, frequency and presence penalties,
-per-request seeds."""
+grammar masks (structured output), per-request seeds."""
 
 from __future__ import annotations
 
 import torch
 
 from zipage.engine.config import SamplingParams
+from zipage.engine.execution.grammar_masks import mask_rows
 from zipage.engine.execution.penalties import apply_count_penalties
 
 
@@ -64,17 +65,21 @@ class Sampler:
         return self._device_generators[device]
 
     def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]],
-               prompt_lens: list[int] | None = None) -> list[int]:
+               prompt_lens: list[int] | None = None, masks: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
         """logits [batch, vocab] (float32, CPU or GPU); one (params, context ids, generator) per row.
-        `prompt_lens`: how many of each row's context ids are its prompt (None: none are)."""
-        return self.sample_on_device(logits, requests, prompt_lens).tolist()
+        `prompt_lens`: how many of each row's context ids are its prompt (None: none are). `masks`:
+        (rows, int32 bitmask per row on the host) of the rows a grammar constrains (grammar_masks.py)."""
+        return self.sample_on_device(logits, requests, prompt_lens, masks).tolist()
 
     def sample_on_device(self, logits: torch.Tensor,
                          requests: list[tuple[SamplingParams, list[int], torch.Generator | None]],
-                         prompt_lens: list[int] | None = None) -> torch.Tensor:
+                         prompt_lens: list[int] | None = None,
+                         masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """The chosen id of every row as an int64 tensor on the logits' device, without a host sync:
         the caller copies it to the host when it needs the ids."""
         logits = logits.float()
+        if masks is not None:  # a new tensor: the caller's logits stay raw for log-probabilities
+            logits = mask_rows(logits, *masks)
         penalised = [i for i, (p, _, _) in enumerate(requests) if p.repetition_penalty != 1.0]
         if penalised:
             logits = logits.clone()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from .gguf_tensors import FLOAT_TYPES, FOUR_BIT_TYPES, GROUPED_TYPES, read_gguf_tensors, stored_types
 from .model_registry import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
@@ -58,15 +59,22 @@ class ModelSource:
     path: str | None  # directory or .gguf file holding the weights; None for random presets
     _weights: Callable[[], Iterator] | None = field(default=None, repr=False, compare=False)
 
-    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def load_weights(self, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_parameter_name, CPU tensor); nothing for random presets.
 
-        GGUF weights come dequantized to float32; safetensors weights in their stored dtype.
-        A tied lm_head is not yielded (the checkpoint does not hold it either).
+        GGUF weights come dequantized to float32, or with `quantized` read from the file as stored
+        (gguf_tensors.py: a quantized tensor comes as a QuantizedTensor); safetensors weights in their
+        stored dtype. A tied lm_head is not yielded (the checkpoint does not hold it either).
         """
         if self._weights is None:
             return iter(())
+        if quantized and self.is_gguf:
+            return read_gguf_tensors(self.path, self.hf_config)
         return self._weights()
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path is not None and self.path.endswith(".gguf")
 
     @property
     def is_random(self) -> bool:
@@ -133,6 +141,7 @@ def list_models() -> list[dict]:
             "description": model.description,
             "available": local is not None,  # usable offline, without a download
             "path": str(local) if local else None,
+            "runs_at": cpu_weight_forms(local) if local else None,
         })
     for preset in RANDOM_PRESETS.values():
         rows.append({
@@ -144,6 +153,26 @@ def list_models() -> list[dict]:
         })
     rows.extend(_cached_models())
     return rows
+
+
+def cpu_weight_forms(gguf: Path | str) -> str:
+    """What a GGUF's weights run as on the CPU under weight_dtype="auto" (the GPU dequantizes them):
+    e.g. "Q4_1 x210 int4, Q8_0 x1 embedding rows, else float32" (engine/execution/models/quantized.py)."""
+    try:
+        types = stored_types(gguf)
+    except Exception as err:  # a corrupt file: say so rather than fail the listing
+        return f"unreadable GGUF ({type(err).__name__})"
+    forms = []
+    for qtype, count in sorted(types.items(), key=lambda kv: -kv[1]):
+        if qtype in FLOAT_TYPES:  # norms and the like: as stored
+            continue
+        if qtype in FOUR_BIT_TYPES:
+            forms.append(f"{qtype} x{count} int4")
+        elif qtype in GROUPED_TYPES:
+            forms.append(f"{qtype} x{count} embedding rows, else float32")
+        else:
+            forms.append(f"{qtype} x{count} float32")
+    return ", ".join(forms)
 
 
 def default_model_path() -> str:
@@ -432,7 +461,7 @@ def _cached_models() -> list[dict]:
     rows = []
     for entry in sorted(models.iterdir()):
         if entry.suffix == ".gguf" and entry.is_file() and entry.name not in builtin_files:
-            rows.append(_cached_row(entry, "GGUF file"))
+            rows.append(_cached_row(entry, "GGUF file") | {"runs_at": cpu_weight_forms(entry)})
         elif entry.is_dir() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors")):
             rows.append(_cached_row(entry, "HF safetensors folder"))
     return rows

@@ -27,12 +27,14 @@ class Chat:
     """Chat messages and how the chat template renders them. `add_generation_prompt`: end with the
     header of a new assistant turn; `continue_final_message`: end inside the final message instead, so
     the model continues it (the two exclude each other). `template_kwargs`: extra template variables,
-    such as Qwen3's `enable_thinking`."""
+    such as Qwen3's `enable_thinking`. `tools`: function descriptions (OpenAI's shape) for a template
+    that shows them (`PromptReader.template_takes_tools`)."""
 
     messages: list[dict]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None
 
 
 class PromptReader:
@@ -50,7 +52,7 @@ class PromptReader:
         if isinstance(prompt, Chat):
             return self.chat_text(prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
                                   continue_final_message=prompt.continue_final_message,
-                                  template_kwargs=prompt.template_kwargs)
+                                  template_kwargs=prompt.template_kwargs, tools=prompt.tools)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return self.chat_text(prompt)
         return prompt
@@ -87,7 +89,8 @@ class PromptReader:
         return self.encode(self.chat_text(messages, **options))
 
     def chat_text(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                  continue_final_message: bool = False, template_kwargs: dict | None = None,
+                  tools: list[dict] | None = None) -> str:
         """Chat messages through the model's chat template, as text (see Chat for the options)."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -104,11 +107,13 @@ class PromptReader:
         self.check_template_kwargs(template_kwargs)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name!r} has no chat template")
+        if tools and not self.template_takes_tools:
+            raise ValueError(f"tools: the chat template of {self.name!r} does not take tools")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
-                                                      **template_kwargs)
+                                                      tools=tools or None, **template_kwargs)
         # The template refused the messages (roles out of order), a template variable had a type it could
         # not use, or the final message to continue is not in the rendered text.
         except (TemplateError, TypeError, ValueError) as e:
@@ -122,6 +127,14 @@ class PromptReader:
             raise ValueError(f"chat_template_kwargs={taken}: these names are not template variables")
 
     @cached_property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (a template of its own for tools counts)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "tool_use" in template or any(map(_reads_tools, template.values()))
+        return bool(template) and _reads_tools(template)
+
+    @cached_property
     def reserved_template_names(self) -> frozenset[str]:
         parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
         return frozenset({"messages"} | {p.name for p in parameters if p.kind is not p.VAR_KEYWORD})
@@ -133,6 +146,16 @@ class PromptReader:
         its characters, a byte-fallback entry such as "<0x41>" more than its one byte), a character is
         at least one byte, and normalizing can shrink text by at most NORMALIZER_SHRINK_BOUND."""
         return max(map(len, self.tokenizer.get_vocab()), default=1) * NORMALIZER_SHRINK_BOUND
+
+
+def _reads_tools(template: str) -> bool:
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"])
+                                                         .parse(template))
+    except TemplateSyntaxError:  # a tag of transformers' own ({% generation %}): read the text instead
+        return "tools" in template
 
 
 def _token_ids(values) -> list[int]:

@@ -23,20 +23,31 @@ from zipage.engine.api.protocol import FrontDoor
 from zipage.engine.events import Compressed
 from zipage.cli.console.plain_chat import SETTING_COMMANDS, Conversation, split_command
 from zipage.cli.console.themes import ThemedApp, theme_names
+from zipage.cli.console.fit import ItemsLine, longest_fitting
 from zipage.cli.console.history_input import HistoryInput
 from zipage.cli.console.kept_source import Holding, TokenBook, can_ask, prompt_tokens_of, take
 from zipage.cli.console.kept_view import KEPT_HELP, KEPT_TERMS, KeptScreen
+from zipage.cli.console.prob_source import AnswerScores, with_logprobs
+from zipage.cli.console.prob_view import PROB_HELP, PROB_TERMS, ProbScreen
+from zipage.cli.console.saved.browser import LIST_HELP, SavedChatsScreen
+from zipage.cli.console.saved.export import export
+from zipage.cli.console.saved.saver import ChatSaver
+from zipage.cli.console.saved.store import SavedChatsError, SavedSession
 from zipage.cli.console.widgets import (PANE_TERMS, BlockTable, ConfirmScreen, EnginePanes, HelpScreen, SidePanes, drain,
                                         printable, session_name_widget_id)
 
 REFRESH_S = 0.25  # side panes redraw rate
 
 STREAM_REDRAW_S = 0.05  # a streaming answer is redrawn at most this often
+# The message box's hint, shorter where the box is narrow (a placeholder cannot wrap).
+PLACEHOLDERS = ["Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
+                "Message (Enter sends · /help · Ctrl+B: all sessions)", "Message (Enter sends · /help)"]
 FINISH_LABELS = {"stop": "finished", "length": "reached max tokens", "abort": "stopped"}
 
 CHAT_COMMANDS = SETTING_COMMANDS + """
 /all TEXT     send TEXT to every idle session at once (same as Ctrl+B)
 /new [NAME]   open a session;  /close  close this one
+/export PATH  write this session to PATH: Markdown, or JSON for a .json file
 /theme [NAME] switch theme ({themes})"""
 
 
@@ -53,7 +64,8 @@ class Session:
 
 def answer_meta(out, ended: float) -> str:
     """The line under an answer: tokens, time to first token (queueing and prefill) and decode speed
-    apart, how it ended, and compression."""
+    apart, the prompt tokens the prefix cache served (a conversation's earlier turns), how it ended,
+    and compression."""
     tokens = len(out.token_ids)
     parts = [f"{tokens} token{'s' if tokens != 1 else ''}"]
     first, arrival = out.metrics.get("first_token"), out.metrics.get("arrival")
@@ -61,6 +73,10 @@ def answer_meta(out, ended: float) -> str:
         parts.append(f"first token after {first - arrival:.2f} s")
         if tokens > 1 and ended > first:
             parts.append(f"then {(tokens - 1) / (ended - first):.1f} tok/s")
+    cached = out.metrics.get("cached_prompt_tokens")
+    prompt = len(out.prompt_token_ids) or out.metrics.get("prompt_tokens")  # an attached answer has no ids
+    if cached:
+        parts.append(f"{cached}{f' of {prompt}' if prompt else ''} prompt tokens cached")
     parts.append(FINISH_LABELS.get(out.finish_reason, out.finish_reason))
     squeezed = out.metrics.get("times_compressed", 0)
     if squeezed:
@@ -90,9 +106,9 @@ class ChatApp(SidePanes, ThemedApp):
     .transcript { height: 1fr; padding: 0 1; }
     .msg { margin: 1 0 0 0; padding: 0 1; height: auto; }
     .msg-meta { margin: 0 0 0 2; height: auto; }
-    .settings { height: 1; padding: 0 1; }
+    .settings { height: auto; padding: 0 1; }
     #prompt { margin: 0 0; }
-    #blocks { height: 1fr; }
+    #blocks { height: 1fr; min-height: 4; }
     #blocks-view { height: auto; }
     """
     ENABLE_COMMAND_PALETTE = False  # its theme picker would offer Textual's themes, which the stylesheet cannot read
@@ -113,14 +129,17 @@ class ChatApp(SidePanes, ThemedApp):
         SidePanes.SIDE_BINDING,
         # F3 works in every terminal; Alt+K arrives as ESC k where Alt is not a modifier (tmux).
         Binding("f3,alt+k", "kept", "Kept", tooltip=KEPT_HELP + " (the latest answer of this session)"),
+        Binding("f4,alt+p", "probs", "Probs", tooltip=PROB_HELP + " (the latest answer of this session)"),
+        Binding("ctrl+o,alt+o", "saved_chats", "Saved", show=False, tooltip=LIST_HELP),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave"),
     ]
 
     def __init__(self, engine: FrontDoor | Callable[[], FrontDoor], theme_name: str = "dark",
                  sessions: int = 1, temperature: float = 0.7, max_tokens: int = 512, system: str | None = None,
-                 model_name: str = "the model"):
+                 model_name: str = "the model", saver: ChatSaver | None = None, resume: list[SavedSession] = ()):
         """`engine` is a running engine, or a function that starts one: the app then draws first and
-        calls it in a worker thread, showing progress while the model loads."""
+        calls it in a worker thread, showing progress while the model loads. `saver` keeps every session
+        in the saved chats (none: nothing is saved); `resume`: saved sessions to open instead of new ones."""
         super().__init__(theme_name)
         self.engine: FrontDoor | None = None
         self.book: TokenBook | None = None  # the token ids of this app's requests, for the kept view
@@ -134,6 +153,9 @@ class ChatApp(SidePanes, ThemedApp):
         self.events: queue.Queue | None = None
         self.counter = 0
         self.quit_armed = False  # a first ctrl+c with nothing to stop; a second one quits
+        self.saver = saver or ChatSaver(None, model_name)
+        self.saver.warn = lambda message: self.notify(message, severity="error", timeout=10)
+        self.resume = list(resume)
         if self.start_engine is None:
             self.engine_ready(engine)
 
@@ -164,9 +186,8 @@ class ChatApp(SidePanes, ThemedApp):
     def compose(self) -> ComposeResult:
         # Kept as attributes: timers and workers reach them even while the help screen is on top.
         self.tabs = TabbedContent(id="tabs")
-        self.settings = Static(id="settings", classes="settings")
-        self.prompt = HistoryInput(placeholder="Message (Enter sends · /help for commands · Ctrl+B sends to all sessions)",
-                            id="prompt")
+        self.settings = ItemsLine(id="settings", classes="settings")
+        self.prompt = HistoryInput(placeholder=PLACEHOLDERS[0], id="prompt")
         self.block_table = BlockTable(id="blocks-view")
         self.panes = EnginePanes()
         self.event_log, self.latency = self.panes.event_log, self.panes.latency
@@ -185,7 +206,9 @@ class ChatApp(SidePanes, ThemedApp):
         yield Footer()
 
     async def on_mount(self) -> None:
-        for _ in range(self.initial_sessions):
+        for saved in self.resume:
+            await self.resume_session(saved)
+        for _ in range(0 if self.resume else self.initial_sessions):
             await self.open_session()
         self.tabs.active = next(iter(self.sessions))
         if self.engine is None:
@@ -209,6 +232,8 @@ class ChatApp(SidePanes, ThemedApp):
 
     async def open_session(self, name: str | None = None) -> Session:
         self.counter += 1
+        while not name and session_name_widget_id(f"chat-{self.counter}") in self.sessions:  # a resumed session has it
+            self.counter += 1
         name = name or f"chat-{self.counter}"
         pane_id = session_name_widget_id(name)
         if pane_id in self.sessions:
@@ -234,9 +259,10 @@ class ChatApp(SidePanes, ThemedApp):
         if not turns and not session.busy:
             self.run_worker(self.close_session(pane_id))
             return
-        lost = [f"{turns} turn{'s' if turns != 1 else ''}"] if turns else []
+        lost = [f"{turns} turn{'s' if turns != 1 else ''}"] if turns and not self.saver.on else []
         lost += ["running answer"] if session.busy else []
-        question = f"Close {session.conv.name}? Its {' and '.join(lost)} will be lost."
+        question = (f"Close {session.conv.name}? Its {' and '.join(lost)} will be lost." if lost else
+                    f"Close {session.conv.name}? It stays in the saved chats (Ctrl+O reopens it).")
 
         async def answered(yes: bool | None) -> None:
             if yes:
@@ -249,6 +275,7 @@ class ChatApp(SidePanes, ThemedApp):
             return
         if session.handle is not None:
             self.engine.abort(session.handle)
+        self.saver.closed(session.conv)
         await self.tabs.remove_pane(pane_id)
         if not self.sessions:
             await self.open_session()
@@ -265,6 +292,16 @@ class ChatApp(SidePanes, ThemedApp):
 
     def on_tabbed_content_tab_activated(self) -> None:
         self.show_settings()
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.fit_placeholder)  # once the message box has its new width
+
+    def action_toggle_side(self) -> None:
+        super().action_toggle_side()
+        self.call_after_refresh(self.fit_placeholder)
+
+    def fit_placeholder(self) -> None:
+        self.prompt.placeholder = longest_fitting(PLACEHOLDERS, self.prompt.content_size.width)
 
     def show_settings(self) -> None:
         session = self.current
@@ -303,10 +340,16 @@ class ChatApp(SidePanes, ThemedApp):
                 self.apply_theme(arg) if arg else self.action_cycle_theme()
             elif command == "/help":
                 self.action_help()
+            elif command == "/export":
+                self.notify(export(self.saver.for_export(session.conv), arg or f"{session.conv.name}.md"), timeout=4)
             else:
                 note = session.conv.apply(command, arg, self.engine)
                 if note is None:
                     raise ValueError(f"unknown command {command}; F1 lists them")
+                if command == "/clear":
+                    self.saver.cleared(session.conv)
+                else:
+                    self.saver.settings(session.conv, self.position(session))
                 self.notify(f"{session.conv.name}: {note}", timeout=2)
                 self.show_settings()
         except ValueError as e:
@@ -358,7 +401,8 @@ class ChatApp(SidePanes, ThemedApp):
     def action_help(self) -> None:
         notes = ("Commands (type in the message box):\n" + CHAT_COMMANDS.format(themes=", ".join(theme_names()))
                  + "\n\nThe side panes: each request's KV blocks (glyph = role), throughput, the pool and "
-                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS)
+                 "memory gauges, latency and the engine's events.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS
+                 + "\n\n" + PROB_TERMS)
         keys = self.BINDINGS[:-1] + HistoryInput.BINDINGS + self.BINDINGS[-1:]  # ↑/↓ belong to the message box
         self.push_screen(HelpScreen("Zipage chat: keys", keys, notes))
 
@@ -368,6 +412,7 @@ class ChatApp(SidePanes, ThemedApp):
             raise ValueError(f"{self.model_name} is still loading; send the message once it is ready")
         if session.busy:
             raise ValueError(f"{session.conv.name} is still answering; Esc stops it")
+        self.saver.sent(session.conv, prompt, self.position(session))  # kept even if the app dies before the answer
         session.view.mount(Message(prompt, "msg-user"))
         reply = Message("…", "msg-assistant")
         session.view.mount(reply)
@@ -381,7 +426,8 @@ class ChatApp(SidePanes, ThemedApp):
     def stream(self, session: Session, prompt: str, reply: Message) -> None:
         """Worker thread: submit, then push the growing text to the UI a few dozen times a second."""
         try:
-            handle = self.book.submit(session.conv.messages_for(prompt), session.conv.params(),
+            # Every answer asks for its logprobs, for the probability view (prob_source.py: the cost).
+            handle = self.book.submit(session.conv.messages_for(prompt), with_logprobs(session.conv.params()),
                                       session=session.conv.name)
         except (ValueError, RuntimeError) as e:
             self.call_from_thread(self.finish, session, prompt, reply, None, session.conv.refusal(e), time.monotonic(), "")
@@ -416,7 +462,8 @@ class ChatApp(SidePanes, ThemedApp):
             reply.set_text(out.text or "(empty answer)")
             session.conv.record(prompt, out.text)
             meta = answer_meta(out, ended)
-            reply.parent.mount(Static(meta, classes="msg-meta", markup=False), after=reply)
+            self.saver.answered(session.conv, out.text, meta, self.position(session))
+            reply.parent.mount(ItemsLine(meta, classes="msg-meta"), after=reply)
         self.show_settings()
 
     @staticmethod
@@ -431,12 +478,74 @@ class ChatApp(SidePanes, ThemedApp):
             reply.set_text(note)
             reply.set_classes("msg msg-error")
 
+    # -- saved chats ---------------------------------------------------------------
+    def position(self, session: Session) -> int:
+        """The session's tab's place, which a resumed chat keeps."""
+        return next((i for i, s in enumerate(self.sessions.values()) if s is session), len(self.sessions))
+
+    async def resume_session(self, saved: SavedSession) -> None:
+        """Open a saved session in a new tab: its settings, history and transcript as they were."""
+        name, copy = saved.name, 1
+        while session_name_widget_id(name) in self.sessions:  # another run's session of the same name is open
+            copy += 1
+            name = f"{saved.name}-{copy}"
+        session = await self.open_session(name)
+        self.saver.resumed(session.conv, saved, self.position(session))
+        for i, m in enumerate(saved.messages):
+            if m.role == "user":
+                session.view.mount(Message(m.content, "msg-user"))
+            else:
+                session.view.mount(Message(m.content or "(empty answer)", "msg-assistant"))
+            if m.meta:
+                session.view.mount(ItemsLine(m.meta, classes="msg-meta"))
+            unanswered = m.role == "user" and (i + 1 == len(saved.messages) or saved.messages[i + 1].role == "user")
+            if unanswered:
+                session.view.mount(Message("No answer was saved: it had not ended when the chat closed, or it "
+                                           "failed. ↑ recalls the message to send it again.", "msg-error"))
+                self.prompt.remember(m.content)
+        self.show_settings()
+
+    def action_saved_chats(self) -> None:
+        if not self.saver.on:
+            self.notify("saving is off in this chat (--no-save)", timeout=3)
+            return
+        try:
+            listed = self.saver.store.sessions()
+        except SavedChatsError as e:
+            self.notify(str(e), severity="error")
+            return
+        open_ids = {s.conv.saved_id for s in self.sessions.values()}
+
+        async def chosen(number: int | None) -> None:
+            if number is None:
+                return
+            here = next((pane for pane, s in self.sessions.items() if s.conv.saved_id == number), None)
+            if here is not None:
+                self.tabs.active = here
+            else:
+                try:
+                    await self.resume_session(self.saver.store.find(str(number)))
+                except SavedChatsError as e:
+                    self.notify(str(e), severity="error")
+        self.push_screen(SavedChatsScreen(listed, open_ids, str(self.saver.store.path)), chosen)
+
     # -- the kept view -------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """The kept view's key shows (and works) only with an engine that answers the kept query."""
         if action == "kept":
             return self.engine is not None and can_ask(self.engine)
+        if action == "probs":
+            return self.engine is not None
         return True
+
+    def action_probs(self) -> None:
+        session = self.current
+        if session is None or session.last_request is None:
+            self.notify("ask something first: the view shows how likely each token of an answer was", timeout=3)
+            return
+        request = session.last_request
+        self.push_screen(ProbScreen(f"#{request} ({session.conv.name})",
+                                    AnswerScores(self.engine, self.book, request)))
 
     def action_kept(self) -> None:
         session = self.current
@@ -479,6 +588,8 @@ class ChatApp(SidePanes, ThemedApp):
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
+        if not self.screen_stack:  # the app is closing: its screens are gone, its timer not yet stopped
+            return
         if self.engine is None:
             self.show_settings()  # the loading time ticks
             return

@@ -32,6 +32,7 @@ class Track:
     prompt: list[int] | None
     handle: object
     answer: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # the answer's TokenLogprobs, where the request asked for them
 
     def collect(self, out: RequestOutput) -> None:
         """The door's hook, on the engine's thread: quick, and never raising."""
@@ -39,6 +40,10 @@ class Track:
             self.answer[:] = out.token_ids
         else:
             self.answer.extend(out.new_token_ids)
+        if self.logprobs is not None and out.finished and out.logprobs is not None:
+            self.logprobs[:] = out.logprobs
+        elif self.logprobs is not None:
+            self.logprobs.extend(out.new_logprobs or [])
 
 
 class TokenBook:
@@ -54,7 +59,8 @@ class TokenBook:
             self.hooked = False
 
     def submit(self, prompt, params=None, *, session: str | None = None):
-        track = Track(self._prompt_ids(prompt), None)
+        asked = params is not None and params.logprobs is not None
+        track = Track(self._prompt_ids(prompt), None, logprobs=[] if asked else None)
         if self.hooked:
             handle = self.door.submit(prompt, params, session=session, on_output=track.collect)
         else:

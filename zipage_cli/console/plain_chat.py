@@ -16,6 +16,9 @@ from zipage.engine.config import SamplingParams
 from zipage.engine.core.outputs import PromptTooLong
 from zipage.engine.kv.geometry import CompressionGeometry, check_request_budget
 from zipage.engine.api.protocol import FrontDoor
+from zipage.cli.console.saved.export import export
+from zipage.cli.console.saved.saver import ChatSaver
+from zipage.cli.console.saved.store import SavedSession
 
 SETTING_COMMANDS = """\
 /temp X       sampling temperature for this session (0 = greedy)
@@ -26,6 +29,7 @@ SETTING_COMMANDS = """\
 /clear        forget this session's history"""
 
 PLAIN_HELP = SETTING_COMMANDS + """
+/export PATH  write this session to PATH: Markdown, or JSON for a .json file
 /help         this help
 /quit         leave (or Ctrl+D)
 Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Ctrl+C stops an answer."""
@@ -41,6 +45,7 @@ class Conversation:
     system: str | None = None
     history: list[dict] = field(default_factory=list)
     kv_budget: int | None = None  # blocks; None: the engine's
+    saved_id: int | None = None  # its number in the saved chats, once saved
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, kv_budget=self.kv_budget)
@@ -195,10 +200,11 @@ class WordWrapper:
         self.column, self.space = 0, False
 
 
-def answer(engine: FrontDoor, conv: Conversation, prompt: str, out: TextIO) -> None:
+def answer(engine: FrontDoor, conv: Conversation, prompt: str, out: TextIO, saver: ChatSaver) -> None:
     """Stream one answer to `out` (word-wrapped on a terminal); Ctrl+C stops it (the partial answer
     stays in the history)."""
     handle = engine.submit(conv.messages_for(prompt), conv.params(), session=conv.name)
+    saver.sent(conv, prompt, 0)
     writer = WordWrapper(out, shutil.get_terminal_size().columns if out.isatty() else None)
     try:
         for delta in handle:
@@ -213,10 +219,13 @@ def answer(engine: FrontDoor, conv: Conversation, prompt: str, out: TextIO) -> N
     if result.finish_reason == "error":
         raise RuntimeError(result.error)
     conv.record(prompt, result.text)
+    saver.answered(conv, result.text, None, 0)
 
 
-def handle_line(engine: FrontDoor, conv: Conversation, line: str, out: TextIO, err: TextIO) -> bool:
+def handle_line(engine: FrontDoor, conv: Conversation, line: str, out: TextIO, err: TextIO,
+                saver: ChatSaver | None = None) -> bool:
     """Act on one input; False when the user asked to leave."""
+    saver = saver or ChatSaver(None, engine.config.model)
     line = line.strip()
     if not line:
         return True
@@ -226,21 +235,35 @@ def handle_line(engine: FrontDoor, conv: Conversation, line: str, out: TextIO, e
             return False
         if command == "/help":
             err.write(PLAIN_HELP + "\n")
+        elif command == "/export":
+            err.write(export(saver.for_export(conv), arg or f"{conv.name}.md") + "\n")
         elif command:
             note = conv.apply(command, arg, engine)
             err.write(f"{note}\n" if note else f"unknown command {command}; /help lists them\n")
+            if note and command == "/clear":
+                saver.cleared(conv)
+            elif note:
+                saver.settings(conv, 0)
         else:
-            answer(engine, conv, line, out)
+            answer(engine, conv, line, out, saver)
     except (ValueError, RuntimeError) as e:
         err.write(f"error: {conv.refusal(e)}\n")
     return True
 
 
 def run_plain(engine: FrontDoor, conv: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
-              err: TextIO = sys.stderr) -> None:
+              err: TextIO = sys.stderr, saver: ChatSaver | None = None, resumed: SavedSession | None = None) -> None:
+    """`saver` keeps the session in the saved chats; `resumed`: a saved session to go on with."""
+    saver = saver or ChatSaver(None, engine.config.model)
+    saver.warn = lambda message: err.write(f"error: {message}\n")
+    if resumed is not None:
+        conv.name = resumed.name
+        saver.resumed(conv, resumed, 0)
+        turns = len(conv.history) // 2
+        err.write(f"Resumed {resumed.name} (saved chat {resumed.id}): {turns} turn{'s' if turns != 1 else ''}.\n")
     if not stdin.isatty():
         for line in stdin:
-            if not handle_line(engine, conv, line, out, err):
+            if not handle_line(engine, conv, line, out, err, saver):
                 return
         return
     from prompt_toolkit import PromptSession
@@ -271,5 +294,5 @@ def run_plain(engine: FrontDoor, conv: Conversation, stdin: TextIO = sys.stdin, 
             continue
         except EOFError:
             return
-        if not handle_line(engine, conv, line, out, err):
+        if not handle_line(engine, conv, line, out, err, saver):
             return

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static
 
 from zipage.engine.config import SamplingParams
@@ -30,7 +30,10 @@ from zipage.engine.events import (Aborted, Admitted, Compressed, EngineSnapshot,
 from zipage.engine.api.protocol import FrontDoor
 from zipage.cli.console.kept_source import MapMemory, TokenBook, prompt_tokens_of, take
 from zipage.cli.console.kept_view import KEPT_HELP, KEPT_TERMS, KeptScreen
+from zipage.cli.console.prob_source import AnswerScores, with_logprobs
+from zipage.cli.console.prob_view import PROB_HELP, PROB_TERMS, ProbScreen
 from zipage.cli.console.themes import ThemedApp
+from zipage.cli.console.fit import ItemsLine
 from zipage.cli.console.widgets import (PANE_TERMS, EnginePanes, HelpScreen, PoolMap, SidePanes, budget_cell, describe_event,
                                         drain)
 
@@ -38,6 +41,9 @@ if TYPE_CHECKING:  # prompts from a file are checked against a local engine only
     from zipage.engine.api.thread import EngineThread
 
 REFRESH_S = 0.25
+TEACH_HINTS = ("space: next step · ↑/↓: follow another request · k: what it still holds · p: how likely its "
+               "tokens were · t: run freely")
+TEACH_HINTS_SHORT = "space: step · ↑/↓: another request · k: kept · p: probs · t: run freely"  # one line at 80
 
 TEACH_INTRO = ("Teaching mode: the engine is paused. Press space (or n) to run exactly one engine step; "
                "these notes then explain what the scheduler and the compressor did, for the request "
@@ -314,15 +320,18 @@ class TopApp(SidePanes, ThemedApp):
     #requests { height: 1fr; min-height: 5; }
     #pool-pane { height: auto; max-height: 50%; }
     PoolMap { height: auto; }
-    #explain-pane { height: auto; max-height: 50%; display: none; }
+    #explain-pane { height: 2fr; min-height: 6; display: none; }
     #explain-pane.teaching { display: block; }
-    #body.teaching-mode #pool-pane { max-height: 30%; }
+    #explain-scroll { height: 1fr; }
+    #body.teaching-mode #pool-pane { max-height: 40%; }
+    #body.teaching-mode #requests { min-height: 4; }
     """
     BINDINGS = [
         Binding("f1,question_mark", "help", "Help", tooltip="Show keys and what the panes mean"),
         Binding("t", "teach", "Teach", tooltip="Teaching mode on/off: pause the engine, step it by hand"),
         Binding("space,n", "step", "Step", tooltip="Teaching mode: run exactly one engine step and explain it"),
         Binding("k,f3", "kept", "Kept", tooltip=KEPT_HELP),
+        Binding("p,f4", "probs", "Probs", tooltip=PROB_HELP + " (teaching mode: the selected request)"),
         Binding("w", "latency_window", "Window", tooltip="Latency pane: switch between the 5, 15 and 60 s windows"),
         SidePanes.SIDE_BINDING,
         ThemedApp.THEME_BINDING,
@@ -336,6 +345,8 @@ class TopApp(SidePanes, ThemedApp):
         super().__init__(theme_name)
         self.engine, self.load = engine, load
         self.book = book or (load.book if load is not None else TokenBook(engine))
+        if load is not None:  # its answers' logprobs, for teaching mode's probability view (cost: prob_source.py)
+            load.params = with_logprobs(load.params)
         self.start_teaching = teach
         self.events: queue.Queue = engine.subscribe()
         self.teach_events: queue.Queue | None = None
@@ -353,6 +364,8 @@ class TopApp(SidePanes, ThemedApp):
         self.pool = PoolMap(id="pool")
         self.explain_pane = Vertical(id="explain-pane", classes="pane")
         self.explain = Static(TEACH_INTRO, id="explain", classes="explain")
+        # Below the notes, never scrolled away with them.
+        self.explain_hints = ItemsLine(TEACH_HINTS, (TEACH_HINTS_SHORT,), id="explain-hints")
         self.panes = EnginePanes()
         self.event_log, self.latency = self.panes.event_log, self.panes.latency
         self.body = Horizontal(id="body")
@@ -366,7 +379,9 @@ class TopApp(SidePanes, ThemedApp):
                     yield self.pool
                 with self.explain_pane:
                     self.explain_pane.border_title = "Teaching mode: one step per key press"
-                    yield self.explain
+                    with VerticalScroll(id="explain-scroll"):  # a long explanation scrolls, never cut
+                        yield self.explain
+                    yield self.explain_hints
             with Vertical(id="right", classes="side"):
                 yield self.panes
         yield Footer()
@@ -397,6 +412,8 @@ class TopApp(SidePanes, ThemedApp):
 
     # -- live panes ----------------------------------------------------------------
     def refresh_panes(self) -> None:
+        if not self.screen_stack:  # the app is closing: its screens are gone, its timer not yet stopped
+            return
         snapshot = self.engine.snapshot()
         self.show_requests(snapshot)
         self.pool.show(snapshot, self.selected)
@@ -437,6 +454,7 @@ class TopApp(SidePanes, ThemedApp):
             self.teach_events = None
             self.explain_pane.remove_class("teaching")
             self.body.remove_class("teaching-mode")
+            self.refresh_bindings()  # the footer drops the keys that work only in teaching mode
         else:
             try:
                 self.engine.pause()
@@ -447,6 +465,7 @@ class TopApp(SidePanes, ThemedApp):
             self.explain.update(TEACH_INTRO)
             self.explain_pane.add_class("teaching")
             self.body.add_class("teaching-mode")
+            self.refresh_bindings()
 
     def action_step(self) -> None:
         if not self.engine.paused:
@@ -489,8 +508,7 @@ class TopApp(SidePanes, ThemedApp):
         text = Text()
         for i, line in enumerate(lines):
             text.append(line + "\n", "bold" if i == 0 else "")
-        text.append("space: next step · ↑/↓: follow another request · k: what it still holds · t: run freely",
-                    "italic")
+        text.rstrip()
         self.explain.update(text)
 
     def on_data_table_row_highlighted(self) -> None:
@@ -501,8 +519,23 @@ class TopApp(SidePanes, ThemedApp):
 
     # -- the kept view -------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        """The kept view's key shows (and works) only with an engine that answers the kept query."""
-        return self.memory.can_ask if action == "kept" else True
+        """A key shows in the footer (and works) only where it can: the kept view with an engine that
+        answers the kept query, teaching mode with an engine this process can hold (not an attached
+        server's), and stepping and the probability view in teaching mode."""
+        if action == "kept":
+            return self.memory.can_ask
+        if action == "teach":
+            return self.engine.can_pause
+        if action in ("step", "probs"):
+            return self.engine.paused
+        return True
+
+    def action_probs(self) -> None:
+        request = self.selected
+        if request is None:
+            self.notify("no request to show: select one in the table", timeout=3)
+            return
+        self.push_screen(ProbScreen(f"#{request}", AnswerScores(self.engine, self.book, request)))
 
     def action_kept(self) -> None:
         request = self.selected
@@ -523,8 +556,13 @@ class TopApp(SidePanes, ThemedApp):
                  "a decoded token went to, new blocks, compressions (blocks before/after, tokens evicted), "
                  "preemptions and finishes, naming the tokens a compression dropped.\n\nThe block pool map draws every KV block: colour = owning "
                  "request (underlined or reversed once colours run out), glyph = role; dim dots are free blocks, "
-                 "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS)
+                 "small squares free blocks that still cache a prefix.\n\n" + PANE_TERMS + "\n\n" + KEPT_TERMS
+                 + "\n\n" + PROB_TERMS)
         # ↑/↓ belong to the requests table.
         select = Binding("up,down", "noop", tooltip="Select another request; teaching mode explains it")
-        self.push_screen(HelpScreen("Zipage top: keys", self.BINDINGS[:3] + [select] + self.BINDINGS[3:], notes))
+        keys = self.BINDINGS[:3] + [select] + self.BINDINGS[3:]
+        if not self.engine.can_pause:  # an attached server's engine: no teaching mode, so none of its keys
+            keys = [b for b in keys if b.action not in ("teach", "step", "probs")]
+            notes = "Teaching mode needs the engine in this process: it is not available with --attach.\n\n" + notes
+        self.push_screen(HelpScreen("Zipage top: keys", keys, notes))
 

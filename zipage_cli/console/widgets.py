@@ -24,6 +24,7 @@ from textual.widgets import Label, Sparkline, Static
 from zipage.engine.events import (EVENT_KINDS, Aborted, Admitted, Compressed, Failed, Finished, Preempted,
                                   Prefilled, EngineSnapshot, Event, Latency, RequestInfo)
 from zipage.engine.latency import STALL_S
+from zipage.cli.console.fit import wrap_items
 
 ROLES = ("shared", "reused", "private", "target", "decode")
 # One glyph per role so the roles read apart even without colour (high-contrast, monochrome).
@@ -129,12 +130,13 @@ class RoleStyled(Static):
     def style_for(self, name: str):
         return self.get_component_rich_style(name, partial=True)
 
-    def legend(self, roles=(*ROLES,)) -> Text:
+    def legend(self, roles=(*ROLES,), width: int | None = None) -> Text:
         """Glyph and meaning of each role, wrapped between entries rather than inside one."""
+        width = self.content_size.width if width is None else width
         text, column = Text(), 0
         for role in roles:
             entry = f"{GLYPHS[role]} {ROLE_LABELS[role]}   "
-            if column and column + len(entry.rstrip()) > self.content_size.width:
+            if column and column + len(entry.rstrip()) > width:
                 text.append("\n")
                 column = 0
             text.append(GLYPHS[role], self.style_for(f"role--{role}"))
@@ -158,12 +160,16 @@ class BlockTable(RoleStyled):
         text = Text()
         if not self.requests:
             text.append("no request holds blocks right now\n", self.style_for("dim"))
+        dim = self.style_for("dim")
         for r in sorted(self.requests, key=lambda r: r.id):
-            text.append(f"#{r.id} {r.session or '-'} ", "bold")
-            budget = f" · budget {r.kv_budget}" if r.kv_budget is not None else ""
-            squeezed = f" · compressed {r.times_compressed}×" if r.times_compressed else ""
-            why = " (pool short)" if squeezed and r.compressed_for == "pool" else ""
-            text.append(f"{r.status} · kv {r.kv_len}{budget}{squeezed}{why}\n", self.style_for("dim"))
+            items = [Text(f"#{r.id} {r.session or '-'} ", "bold") + Text(r.status, dim), Text(f"kv {r.kv_len}", dim)]
+            if r.kv_budget is not None:
+                items.append(Text(f"budget {r.kv_budget}", dim))
+            if r.times_compressed:
+                why = " (pool short)" if r.compressed_for == "pool" else ""
+                items.append(Text(f"compressed {r.times_compressed}×{why}", dim))
+            text.append_text(wrap_items(items, self.content_size.width, style=dim))
+            text.append("\n")
             for role in r.block_roles:
                 text.append(GLYPHS[role] + " ", self.style_for(f"role--{role}"))
             text.append("\n")
@@ -211,21 +217,27 @@ class PoolMap(RoleStyled):
         return style + Style.parse(modifier) if modifier else style
 
     MAX_ROWS = 16  # past this, several blocks share a glyph
+    LEGEND = (*ROLES, "cached", "free")
+
+    def max_rows(self) -> int:
+        """Rows of glyphs: fewer in a short terminal, so the legend under them still shows."""
+        return max(2, min(self.MAX_ROWS, self.app.size.height // 8))
 
     def layout(self, width: int) -> tuple[int, int, int]:
         """(columns per glyph, blocks per glyph, glyphs per row): two columns per block while the pool
         fits that way (easier to read), else one; a pool too large even then shares glyphs."""
         total = self.snapshot.pool.total if self.snapshot else 0
-        width = max(8, width)
-        spacing = 2 if total * 2 <= width * self.MAX_ROWS else 1
+        width, rows = max(8, width), self.max_rows()
+        spacing = 2 if total * 2 <= width * rows else 1
         per_row = width // spacing
-        return spacing, max(1, -(-total // (per_row * self.MAX_ROWS))), per_row
+        return spacing, max(1, -(-total // (per_row * rows))), per_row
 
     def get_content_height(self, container, viewport, width: int) -> int:
         if self.snapshot is None:
             return 1
         _, per_cell, per_row = self.layout(width)
-        return -(-self.snapshot.pool.total // (per_cell * per_row)) + 3  # rows, a blank line, the legend
+        legend = len(self.legend(self.LEGEND, width).split())  # its lines, as wrapped at this width
+        return -(-self.snapshot.pool.total // (per_cell * per_row)) + 1 + legend  # rows, a blank line, the legend
 
     def render(self) -> Text:
         if self.snapshot is None:
@@ -238,8 +250,10 @@ class PoolMap(RoleStyled):
             text.append(glyph + " " * (spacing - 1), style)
             if (cell + 1) % per_row == 0:
                 text.append("\n")
-        text.append("\n\n")
-        text.append_text(self.legend((*ROLES, "cached", "free")))
+        if -(-total // per_cell) % per_row:
+            text.append("\n")  # the last row's end (a full row has ended itself)
+        text.append("\n")
+        text.append_text(self.legend(self.LEGEND))
         if per_cell > 1:
             text.append(f" (one glyph = {per_cell} blocks)", self.style_for("dim"))
         return text
@@ -410,7 +424,14 @@ class LatencyView(Static):
     def show(self, snapshot: EngineSnapshot) -> None:
         self.latency = snapshot.latency
         self.snapshot_time, self.has_work = snapshot.time, bool(snapshot.running or snapshot.waiting)
+        self.show_window()
         self.refresh(layout=True)
+
+    def show_window(self) -> None:
+        """The window is said in the title, so the figures keep the width of the narrowest pane."""
+        windows = self.latency.windows
+        seconds = f", last {windows[self.window_index % len(windows)].seconds:.0f} s" if windows else ""
+        self.border_title = f"Latency{seconds} (click: window)"
 
     def stall_note(self, now: float | None = None) -> str | None:
         """Why the engine looks stalled, or None. The engine flags a stall in its snapshot; a step that
@@ -426,6 +447,7 @@ class LatencyView(Static):
     def next_window(self) -> None:
         if self.latency.windows:
             self.window_index = (self.window_index + 1) % len(self.latency.windows)
+            self.show_window()
             self.refresh()
 
     def on_click(self) -> None:
@@ -436,15 +458,18 @@ class LatencyView(Static):
         if not self.latency.windows:
             return Text("no latency figures yet", dim)
         w = self.latency.windows[self.window_index % len(self.latency.windows)]
+        # Columns of 7 (a figure is at most 6 wide: "999 ms", "12.3 s"): with the count, a row takes 34
+        # cells, and the narrowest side pane (40 wide, less border and padding) holds 36.
         text = Text()
-        text.append(f"last {w.seconds:.0f} s      p50      p95      p99\n", dim)
+        text.append(" " * 6 + "".join(f"{h:>7}" for h in ("p50", "p95", "p99")) + "\n", dim)
         for label, p in (("TTFT", w.ttft), ("ITL", w.itl), ("queue", w.queue)):
-            text.append(f"{label:<10}")
-            text.append("".join(f"{fmt_seconds(v):>9}" for v in (p.p50, p.p95, p.p99)))
-            text.append(f"  ({p.count})\n" if p.count else "\n", dim)
+            text.append(f"{label:<6}")
+            text.append("".join(f"{fmt_seconds(v):>7}" for v in (p.p50, p.p95, p.p99)))
+            text.append(f" ({p.count})\n" if p.count else "\n", dim)
         hits = "-" if w.prefix_hit_rate is None else f"{100 * w.prefix_hit_rate:.0f}%"
-        text.append(f"prefix hits {hits} · per s: preempt {w.preemptions_per_s:.1f}, "
-                    f"abort {w.aborts_per_s:.1f}, compress {w.compressions_per_s:.1f}", dim)
+        rates = [f"prefix hits {hits}", f"preempt {w.preemptions_per_s:.1f}/s", f"abort {w.aborts_per_s:.1f}/s",
+                 f"compress {w.compressions_per_s:.1f}/s"]
+        text.append_text(wrap_items([Text(r, dim) for r in rates], self.content_size.width, style=dim))
         stall = self.stall_note()
         if stall:
             text.append("\n" + stall, self.get_component_rich_style("stall", partial=True))
@@ -455,13 +480,15 @@ class EnginePanes(Vertical):
     """The panes chat and top share, as one widget with its own layout: throughput sparklines, pool
     and memory gauges, latency, and the event log taking the rest of the height."""
 
+    # Fixed heights for the figures (one-row sparklines); the event log takes what is left and keeps at
+    # least two lines. 24 rows show every pane whole (chat's side column at 100×30 has 28).
     DEFAULT_CSS = """
-    EnginePanes { height: 1fr; }
-    EnginePanes > #throughput { height: 8; }
+    EnginePanes { height: 1fr; min-height: 24; }
+    EnginePanes > #throughput { height: 6; }
     EnginePanes > #gauges { height: 6; }
     EnginePanes > #latency { height: auto; }
-    EnginePanes > #events { height: 1fr; }
-    EnginePanes Sparkline { height: 2; }
+    EnginePanes > #events { height: 1fr; min-height: 4; }
+    EnginePanes Sparkline { height: 1; }
     """
 
     def __init__(self, **kwargs):
@@ -482,7 +509,7 @@ class EnginePanes(Vertical):
             self.throughput.border_title = "Throughput"
         with self.gauges:
             self.gauges.border_title = "KV pool & memory"
-        self.latency.border_title = "Latency (click: window)"
+        self.latency.show_window()
         yield self.latency
         with Vertical(id="events", classes="pane") as pane:
             pane.border_title = "Engine events"
@@ -544,11 +571,13 @@ class HelpScreen(ModalScreen):
         for b in self.bindings:
             shown = " or ".join(self.app.get_key_display(Binding(k.strip(), b.action)) for k in b.key.split(","))
             keys.add_row(shown, b.tooltip or b.description)
-        closing = Text("Esc or F1 closes this help.", "italic")
+        # Said first and on the frame, not only after the notes: a long help is scrolled, and at 80×24 its
+        # end is below the fold.
+        closing = "Esc, F1 or q closes this help."
         with VerticalScroll(id="help-box", classes="pane") as box:
-            box.border_title = "Help"
-            yield Static(Group(Text(self.title_text + "\n", "bold"), keys, Text(""),
-                               *([Text(self.notes + "\n")] if self.notes else []), closing))
+            box.border_title, box.border_subtitle = "Help", "Esc closes"
+            yield Static(Group(Text(self.title_text, "bold"), Text(closing + "\n", "italic"), keys, Text(""),
+                               *([Text(self.notes + "\n")] if self.notes else []), Text(closing, "italic")))
 
 
 class ConfirmScreen(ModalScreen[bool]):

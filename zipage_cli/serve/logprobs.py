@@ -60,6 +60,22 @@ class CompletionLogprobs:
         return part
 
 
+def texts_by_id(entries: list[TokenLogprobs], logprobs: dict | None) -> dict[int, str]:
+    """The other way, for a client (`zipage chat --attach`): each token id's text, from a choice's OpenAI
+    `logprobs` and the `logprobs_by_id` entries of the same tokens. A chat item lists its alternatives in
+    the engine's order; completions key them by text, which can collide, so only its tokens' own count."""
+    texts: dict[int, str] = {}
+    if not logprobs:
+        return texts
+    if "content" in logprobs:
+        for entry, item in zip(entries, logprobs["content"] or []):
+            texts[entry.token_id] = item["token"]
+            texts.update((t, alt["token"]) for t, alt in zip(entry.top, item.get("top_logprobs") or []))
+    else:
+        texts.update((entry.token_id, token) for entry, token in zip(entries, logprobs.get("tokens") or []))
+    return texts
+
+
 def joined(first: dict | None, second: dict | None) -> dict | None:
     """Two completions parts as one (the echoed prompt's, then the answer's)."""
     if first is None or second is None:

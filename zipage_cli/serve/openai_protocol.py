@@ -58,13 +58,12 @@ def from_value_error(e: ValueError) -> ApiError:
 
 # Fields the engine has no use for: refused unless they carry their neutral value, so that a client never
 # silently gets something other than what it asked for.
-NEUTRAL_VALUES = {"best_of": (1,), "logit_bias": ({},), "tools": ([],),
-                  "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
-                  "tool_choice": ("none",), "function_call": ("none",)}
+NEUTRAL_VALUES = {"best_of": (1,), "logit_bias": ({},), "suffix": ("",), "functions": ([],),
+                  "function_call": ("none",)}
 
-# Roles a chat template knows; "developer" is OpenAI's newer name for "system". Tool messages need tools,
-# which are not supported.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Roles a chat template knows; "developer" is OpenAI's newer name for "system". A tool message carries a
+# tool's result back (tool_calls.py).
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 # Sampling fields taken as they come; SamplingParams validates them. kv_budget is the request's own KV
 # budget in blocks; one the engine cannot hold (past its pool, or with compression off) is refused when the
@@ -76,9 +75,11 @@ REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency
 
 # Every field a body may carry; any other is refused by name rather than ignored.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
-                           "stop", "n", "ignore_eos", "return_token_ids", *PASSED_THROUGH, *NEUTRAL_VALUES})
+                           "stop", "n", "ignore_eos", "return_token_ids", "response_format", *PASSED_THROUGH,
+                           *NEUTRAL_VALUES})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
-                               "chat_template_kwargs", "logprobs", "top_logprobs"}
+                               "chat_template_kwargs", "logprobs", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 
 # Bounds on what one request may carry, each far past any real use: every stop string is matched against
@@ -197,11 +198,13 @@ def check_bool(body: dict, name: str) -> bool:
 
 
 # -- sampling ----------------------------------------------------------------------------------
-def sampling_params(body: dict, max_model_len: int, chat: bool = False) -> SamplingParams:
+def sampling_params(body: dict, max_model_len: int, chat: bool = False, tool_schema: dict | None = None
+                    ) -> SamplingParams:
     """SamplingParams from a chat (`chat`) or completions body; a bad or unsupported value raises ApiError
     (400). Without max_tokens, max_tokens is max_model_len: the answer may run to the end of the context,
     as with vLLM. A max_tokens given must leave room for the prompt (EngineClient checks it once the
-    prompt is read), so one of max_model_len or more is refused here."""
+    prompt is read), so one of max_model_len or more is refused here. `tool_schema`: the JSON schema the
+    tools ask the output to match (tool_calls.py), which excludes a response_format."""
     check_n(body)
     for name, neutral in NEUTRAL_VALUES.items():
         value = body.get(name)
@@ -217,11 +220,41 @@ def sampling_params(body: dict, max_model_len: int, chat: bool = False) -> Sampl
                           "(to score the prompt)", "max_tokens")
     fields = {name: body[name] for name in PASSED_THROUGH if body.get(name) is not None}
     fields.update(chat_logprobs(body) if chat else completion_logprobs(body, max_tokens))
+    json_schema = response_format(body)
+    if json_schema is not None and tool_schema is not None:
+        raise bad_request("response_format and a tool_choice that requires a call both constrain the answer; "
+                          "send one of them", "response_format")
+    json_schema = tool_schema if json_schema is None else json_schema
+    if json_schema is not None:
+        if ignore_eos:
+            raise bad_request("ignore_eos=true: a structured answer ends where its JSON does", "ignore_eos")
+        fields["json_schema"] = json_schema
     try:
         return SamplingParams(**fields, max_tokens=max_model_len if max_tokens is None else max_tokens, stop=stop,
                               ignore_eos=ignore_eos)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def response_format(body: dict) -> dict | bool | None:
+    """The json_schema of a response_format (docs/serving.md, "Structured output"): None for text, True for
+    "json_object" (any JSON object), the schema of "json_schema" (any JSON object when it has none)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return True
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise bad_request(f"response_format={value!r}: must be {{type: text}}, {{type: json_object}} or "
+                          "{type: json_schema, json_schema: {name, schema, strict}}", "response_format")
+    schema = spec.get("schema", True)
+    if not isinstance(schema, dict) and schema is not True:
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    return schema
 
 
 def chat_logprobs(body: dict) -> dict:
@@ -294,9 +327,10 @@ def requested_max_tokens(body: dict, max_model_len: int) -> int | None:
 
 
 # -- prompts -----------------------------------------------------------------------------------
-def chat_messages(body: dict) -> Chat:
+def chat_messages(body: dict, tools: list[dict] | None = None) -> Chat:
     """The chat to render: messages with plain-text content (content given as a list of text parts is
-    joined) and the template options."""
+    joined), the assistant's tool calls and the tools' results (`tool_call_message`), the template options
+    and the `tools` the template shows."""
     check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -316,10 +350,44 @@ def chat_messages(body: dict) -> Chat:
                        for p in content):
                 raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        if content is None and m.get("tool_calls"):
+            content = ""  # an assistant turn that only called tools
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        plain.append({"role": CHAT_ROLES[m["role"]], "content": content})
-    return Chat(plain, **chat_template_options(body))
+        plain.append(tool_call_message(i, m, {"role": CHAT_ROLES[m["role"]], "content": content}))
+    return Chat(plain, **chat_template_options(body), tools=tools)
+
+
+def tool_call_message(i: int, message: dict, plain: dict) -> dict:
+    """`plain` with the tool calls of an assistant message, their arguments as objects (templates write
+    them out with tojson), or the tool_call_id and name of a tool message."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message["role"] != "assistant" or not isinstance(calls, list):
+            raise bad_request(f"messages[{i}].tool_calls: only an assistant message has them, as a list", "messages")
+        plain["tool_calls"] = [_template_call(i, call) for call in calls]
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None and message["role"] == "tool":
+            if not isinstance(value, str):
+                raise bad_request(f"messages[{i}].{name} must be a string", "messages")
+            plain[name] = value
+    return plain
+
+
+def _template_call(i: int, call) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls: each must be {{id, type: function, function: "
+                          "{name, arguments}}", "messages")
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise bad_request(f"messages[{i}].tool_calls: the arguments of {function['name']!r} are not JSON",
+                          "messages") from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def chat_template_options(body: dict) -> dict:
@@ -380,17 +448,22 @@ def stream_options(body: dict) -> bool:
 
 
 # -- responses ---------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, ended: list[RequestOutput] = ()) -> dict:
+    """OpenAI's usage, with the prompt tokens the prefix cache served the `ended` requests and, a zipage
+    extension, how many times their KV caches were compressed."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.metrics.get("cached_prompt_tokens", 0) for o in ended)},
+            "kv_compressions": sum(o.metrics.get("times_compressed", 0) for o in ended)}
 
 
 class Reply:
     """Builds the bodies of one answer: `chat` for /v1/chat/completions, else /v1/completions."""
 
     def __init__(self, chat: bool, request_id: int, model: str, prompt_tokens: int, token_ids: bool = False,
-                 logprobs: LogprobReply | None = None):
+                 logprobs: LogprobReply | None = None, tools=None):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.tools = tools  # a tool_calls.ToolPlan: the answer's tool calls are read from its text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.token_ids = token_ids  # also return token ids (as vLLM's return_token_ids does)
@@ -403,7 +476,7 @@ class Reply:
     def full(self, outs: list[RequestOutput]) -> dict:
         """The whole answer: one choice per prompt, its `index` the prompt's place in the request."""
         body = self._envelope([self._choice(out, index) for index, out in enumerate(outs)], chunk=False)
-        body["usage"] = usage(self.prompt_tokens, sum(len(out.token_ids) for out in outs))
+        body["usage"] = usage(self.prompt_tokens, sum(len(out.token_ids) for out in outs), outs)
         if self.token_ids and len(outs) == 1:
             body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
         elif self.token_ids:  # several prompts: each choice carries its own, where vLLM puts them
@@ -418,26 +491,41 @@ class Reply:
             echo, choice["logprobs"] = self.logprobs.full(index, out)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
+            content, calls = self.tools.read(out.text, out.finish_reason) if self.tools else (out.text, [])
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "tool_calls": [call.to_dict() for call in calls]}
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = echo + out.text
         if self.token_ids:
             choice["token_ids"] = list(out.token_ids)
+            if out.logprobs is not None:
+                choice["logprobs_by_id"] = [entry.to_dict() for entry in out.logprobs]
         return choice
 
     def chunk(self, text: str, finish_reason: str | None = None, new_token_ids: list[int] | None = None,
-              role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
-        """A stream chunk of the prompt at `index` (its choice's index)."""
+              role: bool = False, index: int = 0, logprobs: dict | None = None, new_logprobs: list | None = None,
+              tool_calls: list | None = None) -> dict:
+        """A stream chunk of the prompt at `index` (its choice's index). `new_logprobs`: the engine's
+        TokenLogprobs of `new_token_ids`, sent beside them as `logprobs_by_id`. `tool_calls`: the answer's
+        calls (tool_calls.ToolCall), all in its last chunk."""
         choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if role
                                else {"content": text} if text or finish_reason is None else {})
+            if tool_calls:
+                choice["delta"]["tool_calls"] = [call.to_dict(n) for n, call in enumerate(tool_calls)]
+                choice["finish_reason"] = "tool_calls" if finish_reason else None
         else:
             choice["text"] = text
         if self.token_ids and new_token_ids is not None:
             choice["token_ids"] = new_token_ids
+            if new_logprobs:
+                choice["logprobs_by_id"] = [entry.to_dict() for entry in new_logprobs]
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def usage_chunk(self, completion_tokens: int, ended: list[RequestOutput] = ()) -> dict:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage(self.prompt_tokens, completion_tokens)
+        body["usage"] = usage(self.prompt_tokens, completion_tokens, ended)
         return body

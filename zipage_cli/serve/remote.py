@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from dataclasses import fields
+from typing import Callable
 
 import httpx
 
@@ -21,6 +23,9 @@ from zipage.engine.core.outputs import PromptTooLong, RequestOutput, UnknownRequ
 from zipage.engine.events import EngineSnapshot, event_from_dict, snapshot_from_dict
 from zipage.engine.api.handles import SUBSCRIBER_QUEUE_SIZE, EventQueue, RequestHandle, Subscribers
 from zipage.engine.kv.kept import KeptMap
+from zipage.engine.loading.grammars import schema_of
+from zipage.engine.logprobs import TokenLogprobs
+from zipage.cli.serve.logprobs import texts_by_id
 from zipage.cli.serve.openai_protocol import CONTEXT_LENGTH_EXCEEDED
 from zipage.cli.serve.server import REQUEST_ID_HEADER
 
@@ -37,6 +42,16 @@ class RemoteHandle(RequestHandle):
     """A request streamed from the server; iterating yields text deltas, as with a local handle."""
 
     task: asyncio.Task | None = None
+    # As a local answer's: arrival (the submit) and first token on this machine's monotonic clock; the
+    # prompt tokens the server's prefix cache served and the KV compressions, from the usage chunk.
+    metrics: dict
+
+
+def response_format_of(json_schema) -> dict:
+    """The OpenAI response_format that asks a server for what SamplingParams.json_schema asks."""
+    if json_schema is True:
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema_of(json_schema)}}
 
 
 class RemoteEngine:
@@ -44,6 +59,9 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = None  # tokenization happens on the server
+        # Each token's text as the server's logprobs spell it (the token decoded alone), learned from the
+        # answers that asked for logprobs: the console's texts for ids, without a tokenizer here.
+        self.token_texts: dict[int, str] = {}
         self.failure: BaseException | None = None
         self._poll_error: str | None = None  # why the snapshot is not current, None while it is
         self._events_error: str | None = None
@@ -178,11 +196,17 @@ class RemoteEngine:
     def unsubscribe(self, q: EventQueue) -> None:
         self._subscribers.unsubscribe(q)
 
-    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None) -> RemoteHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, session: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RemoteHandle:
         """Chat messages go to /v1/chat/completions, text or token ids to /v1/completions. The server's
-        refusal (bad values, prompt too long) raises ValueError here, as a local engine would."""
+        refusal (bad values, prompt too long) raises ValueError here, as a local engine would. Logprobs
+        come back as the engine's TokenLogprobs (the server's `logprobs_by_id`); `on_output` runs on
+        this door's loop thread."""
         params = params or SamplingParams()
         params.validate()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available through an attached server (its chat and "
+                             "completions answers carry the answer's logprobs only)")
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         body = {"model": self.config.model, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True, "user": session, "temperature": params.temperature, "top_p": params.top_p,
@@ -191,12 +215,18 @@ class RemoteEngine:
                 "max_tokens": params.max_tokens, "seed": params.seed, "stop": params.stop or None,
                 "ignore_eos": params.ignore_eos, "kv_budget": params.kv_budget,
                 ("messages" if chat else "prompt"): prompt}
-        handle = self._call(self._start(f"/v1/{'chat/' if chat else ''}completions", body, session))
+        if params.logprobs is not None:
+            body.update({"logprobs": True, "top_logprobs": params.logprobs} if chat
+                        else {"logprobs": params.logprobs})
+        if params.json_schema is not None:
+            body["response_format"] = response_format_of(params.json_schema)
+        handle = self._call(self._start(f"/v1/{'chat/' if chat else ''}completions", body, session, on_output))
         with self._lock:
             self._handles.add(handle)
         return handle
 
-    async def _start(self, path: str, body: dict, session: str | None) -> RemoteHandle:
+    async def _start(self, path: str, body: dict, session: str | None, on_output=None) -> RemoteHandle:
+        arrival = time.monotonic()
         try:
             response = await asyncio.wait_for(
                 self._client.send(self._client.build_request("POST", path, json=body), stream=True), ACCEPT_TIMEOUT_S)
@@ -209,11 +239,14 @@ class RemoteEngine:
             await response.aread()
             await response.aclose()
             raise _refusal(response)
-        handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0)
-        handle.task = asyncio.create_task(self._read(response, handle))
+        handle = RemoteHandle(int(response.headers.get(REQUEST_ID_HEADER, -1)), session, 0, on_output)
+        handle.metrics = {"arrival": arrival}
+        logprobs = [] if "logprobs" in body else None
+        handle.task = asyncio.create_task(self._read(response, handle, logprobs))
         return handle
 
-    async def _read(self, response: httpx.Response, handle: RemoteHandle) -> None:
+    async def _read(self, response: httpx.Response, handle: RemoteHandle, logprobs: list | None) -> None:
+        """Each chunk's text, ids and logprobs as one output; the final output holds them all."""
         text, token_ids, reason, error = "", [], None, None
         try:
             async for line in response.aiter_lines():
@@ -225,14 +258,23 @@ class RemoteEngine:
                     break
                 if chunk.get("usage"):
                     handle.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    handle.metrics.update(prompt_tokens=handle.prompt_tokens, cached_prompt_tokens=(
+                        chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                        times_compressed=chunk["usage"].get("kv_compressions", 0))
                 for choice in chunk["choices"]:
                     delta = (choice["delta"].get("content") or "") if "delta" in choice else choice.get("text", "")
-                    token_ids += choice.get("token_ids") or []
+                    new_ids = choice.get("token_ids") or []
+                    token_ids += new_ids
+                    new_logprobs = None if logprobs is None else self._logprobs_of(choice)
+                    if new_logprobs:
+                        logprobs += new_logprobs
                     reason = choice.get("finish_reason") or reason
-                    if delta:
+                    if delta or new_ids:
+                        handle.metrics.setdefault("first_token", time.monotonic())
                         text += delta
                         handle._push(RequestOutput(handle.id, handle.session, [], [], text, delta, False,
-                                                   num_output_tokens=len(token_ids)))
+                                                   new_token_ids=new_ids, num_output_tokens=len(token_ids),
+                                                   new_logprobs=new_logprobs))
         except asyncio.CancelledError:
             reason = "abort"  # abort(): closing the stream below tells the server to stop
         except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -242,9 +284,16 @@ class RemoteEngine:
             if reason is None:
                 reason, error = "error", "the server ended the stream without a finish reason"
             handle._push(RequestOutput(handle.id, handle.session, [], token_ids, text, "", True, reason, error,
-                                       num_output_tokens=len(token_ids)))
+                                       handle.metrics, num_output_tokens=len(token_ids), logprobs=logprobs))
             with self._lock:
                 self._handles.discard(handle)
+
+    def _logprobs_of(self, choice: dict) -> list[TokenLogprobs]:
+        """A chunk's TokenLogprobs (the server's `logprobs_by_id`); the texts its OpenAI logprobs give those
+        tokens are remembered."""
+        entries = [TokenLogprobs.from_dict(d) for d in choice.get("logprobs_by_id") or []]
+        self.token_texts.update(texts_by_id(entries, choice.get("logprobs")))
+        return entries
 
     def abort(self, handle: RemoteHandle | int) -> None:
         """Close the request's stream (the server frees its blocks); unknown or finished ids are ignored."""
@@ -263,6 +312,10 @@ class RemoteEngine:
 
     def resume(self) -> None:
         pass  # never paused
+
+    @property
+    def can_pause(self) -> bool:
+        return False
 
     @property
     def paused(self) -> bool:

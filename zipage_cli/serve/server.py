@@ -39,6 +39,7 @@ from zipage.cli.serve.guards import ApiKeyGuard, RequestLimits, ServeLimits, err
 from zipage.cli.serve.logprobs import LogprobReply, TokenTexts
 from zipage.cli.serve.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
 from zipage.cli.serve.serving import Serving, ShutdownGrace, engine_lifespan
+from zipage.cli.serve.tool_calls import ToolStream, tool_plan
 
 EVENT_POLL_S = 0.1  # how often /zipage/events forwards new engine events
 KEEPALIVE_S = 2.0  # an idle event stream sends a comment this often, so either side notices a dead peer
@@ -195,8 +196,9 @@ class OpenAiEndpoints:
 
     async def complete(self, request: Request, chat: bool) -> Response:
         body = await self.read_body(request)
-        prompts = [api.chat_messages(body)] if chat else api.completion_prompts(body)
-        params = api.sampling_params(body, self.max_model_len, chat)
+        tools = tool_plan(body, self.engine.process.prompts.template_takes_tools) if chat else None
+        prompts = [api.chat_messages(body, tools and tools.tools)] if chat else api.completion_prompts(body)
+        params = api.sampling_params(body, self.max_model_len, chat, tools and tools.schema)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise api.bad_request(f"stream={stream!r}: must be true or false", "stream")
@@ -205,7 +207,8 @@ class OpenAiEndpoints:
         generation = await Generation(self.serving).start(prompts, params, session)
         reply = api.Reply(chat, generation.ids[0], self.model, generation.prompt_tokens,
                           token_ids=body.get("return_token_ids") is True,
-                          logprobs=self.logprob_reply(chat, body.get("echo") is True, params, prompts, generation))
+                          logprobs=self.logprob_reply(chat, body.get("echo") is True, params, prompts, generation),
+                          tools=tools)
         headers = {REQUEST_ID_HEADER: ",".join(map(str, generation.ids))}  # one id per prompt
         if stream:
             return self.streaming_response(generation, reply, include_usage, headers)
@@ -242,7 +245,8 @@ async def stream_reply(generation: Generation, reply: api.Reply, include_usage: 
     A request that fails ends the stream with an error event (the other prompts' requests are aborted)."""
     if reply.chat:
         yield sse(reply.chunk("", role=True))
-    completion_tokens, error = 0, None
+    held = ToolStream(reply.tools) if reply.tools else None  # tools come with a chat: one prompt
+    completion_tokens, ended, error = 0, [], None
     async with contextlib.aclosing(generation.outputs()) as outputs:
         async for news in outputs:
             # One chunk per prompt for everything that arrived since the last: a client (or an event
@@ -252,11 +256,19 @@ async def stream_reply(generation: Generation, reply: api.Reply, include_usage: 
                 failed = out.finish_reason == "error"
                 finished = out.finished and not failed
                 echo, logprobs = reply.logprobs.streamed(index, out) if reply.logprobs else ("", None)
-                if echo or out.delta or finished or logprobs or (reply.token_ids and out.new_token_ids):
-                    events.append(sse(reply.chunk(echo + out.delta, out.finish_reason if finished else None,
-                                                  out.new_token_ids, index=index, logprobs=logprobs)))
+                text, calls = echo + out.delta, []
+                if held is not None:  # what may be a tool call waits for the end
+                    text = held.feed(out.delta)
+                    if finished:
+                        rest, calls = held.finish(out.finish_reason)
+                        text += rest
+                if text or finished or logprobs or (reply.token_ids and out.new_token_ids):
+                    events.append(sse(reply.chunk(text, out.finish_reason if finished else None,
+                                                  out.new_token_ids, index=index, logprobs=logprobs,
+                                                  new_logprobs=out.new_logprobs, tool_calls=calls)))
                 if finished:
                     completion_tokens += out.num_output_tokens
+                    ended.append(out)
                 if failed and error is None:
                     error = generation.failure(out)
             if error is not None:
@@ -267,7 +279,7 @@ async def stream_reply(generation: Generation, reply: api.Reply, include_usage: 
             if error is not None:
                 break
     if include_usage and error is None:
-        yield sse(reply.usage_chunk(completion_tokens))
+        yield sse(reply.usage_chunk(completion_tokens, ended))
     yield sse("[DONE]")
 
 

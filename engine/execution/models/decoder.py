@@ -18,6 +18,8 @@ from torch import nn
 
 from zipage import kernels
 from zipage.engine.execution.models.parallel import TensorParallel
+from zipage.engine.execution.models.quantized import QuantizedWeights, WeightReport
+from zipage.engine.loading.gguf_tensors import QuantizedTensor
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -57,11 +59,18 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quant: nn.Module | None = None  # a weight kept quantized on the CPU (models/quantized.py)
+
     def pack_for_cpu(self) -> None:
         self.packed = pack_weight(self.weight.detach())
         self.weight = None  # the packed copy holds the same values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and self.quant.takes(x):
+            out = self.quant(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -283,6 +292,11 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None  # a tied head's packed copy (pack_for_cpu)
+        # A tied head when the embedding stays quantized (models/quantized.py): its own float copy, and
+        # an int4 form for short products where the embedding's type has one.
+        self.quant_head: nn.Module | None = None
+        self.head_weight: torch.Tensor | None = None
+        self.weight_report = WeightReport()  # what of a quantized file runs quantized
         if not self.tied:
             self.lm_head = Linear(hf_config.hidden_size, self.vocab_rows, bias=False)
 
@@ -311,25 +325,31 @@ class CausalLM(nn.Module):
         """Repack every projection and the LM head of an fp32 CPU model for oneDNN (see Linear);
         False when the model is not one or this torch cannot. The embedding stays plain for
         lookups, so a tied head gets its own packed copy."""
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.norm.weight.dtype
         # fp32 only: bf16 products already go through oneDNN (AMX where the CPU has it), and
         # packing measured slower there at 16 rows.
-        if (self.model.embed_tokens.weight.device.type != "cpu" or dtype != torch.float32
+        if (self.model.norm.weight.device.type != "cpu" or dtype != torch.float32
                 or not cpu_packing_works(dtype)):
             return False
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
                 module.pack_for_cpu()
         if self.tied:
-            self._packed_head = pack_weight(self.model.embed_tokens.weight.detach())
+            self._packed_head = pack_weight(self._tied_head_weight().detach())
+            self.head_weight = None  # the packed copy holds the same values
         return True
+
+    def _tied_head_weight(self) -> torch.Tensor:
+        return self.head_weight if self.head_weight is not None else self.model.embed_tokens.weight
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of these rows; written into `out` (same shape) when given."""
-        if self._packed_head is not None:
+        if self.quant_head is not None and self.quant_head.takes(hidden):
+            logits = self.quant_head(hidden)
+        elif self._packed_head is not None:
             logits = packed_linear(hidden, self._packed_head, None)
         elif self.tied:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            logits = F.linear(hidden, self._tied_head_weight())
         else:
             logits = self.lm_head(hidden)
         if self.tp.enabled:
@@ -361,10 +381,23 @@ class CausalLM(nn.Module):
                     full = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
                     param.copy_(self._local_part(name, None, full.normal_(0.0, std, generator=gen)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their packed layers.
+        Quantized tensors (a GGUF read as stored, on one CPU rank) are kept quantized where a
+        kernel runs them, else dequantized (`weight_report` says which)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        quantized = QuantizedWeights()
+
+        def store(target: str, shard: str | None, tensor: torch.Tensor, name: str | None = None) -> None:
+            param = params[target]
+            tensor = self._local_part(target, shard, tensor)
+            with torch.no_grad():
+                if shard is None:
+                    _copy_checked(param, tensor, name or target)
+                else:
+                    _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name or target)
+
         for name, tensor in weights:
             target, shard = _map_name(name)
             if target is None:
@@ -373,17 +406,21 @@ class CausalLM(nn.Module):
                 continue
             if target not in params:
                 raise ValueError(f"weight {name!r} does not fit a {self.family} model of this shape")
-            param = params[target]
-            tensor = self._local_part(target, shard, tensor)
-            with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
-                else:
-                    _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+            if isinstance(tensor, QuantizedTensor):
+                if self.tp.enabled:
+                    raise ValueError("quantized weights run on one CPU rank only")
+                rows = params[target].shape[0] if shard is None else self._shard_range(target, shard)[1]
+                expected = (rows, *params[target].shape[1:])
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected {expected}")
+                quantized.add(target, shard, tensor)  # installed once every part of a fused layer is in
+            else:
+                store(target, shard, tensor, name)
             loaded.add(f"{target}#{shard}" if shard else target)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:3]}")
+        self.weight_report = quantized.install(self, store)
 
     def _local_part(self, target: str, shard: str | None, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor of parameter `target` (or of its fused part `shard`)."""

@@ -1,0 +1,225 @@
+"""GGUF weights kept quantized on the CPU (docs/design-notes.md, "Quantized CPU weights"): the block
+decoders against the gguf package's dequantization, PyTorch's int4 product against the dequantized
+matmul, a tiny model written as a real GGUF file run quantized against the same file dequantized,
+the fallback for a type no kernel runs, and the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from zipage.engine import EngineConfig, SamplingParams
+from zipage.engine.core.engine_core import EngineCore
+from zipage.engine.execution.models.quantized import Int4Weight, QuantizedEmbedding
+from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors, tensor_index
+from zipage.engine.loading.loader import ModelSource, cpu_weight_forms
+from zipage.engine.loading.model_registry import RANDOM_PRESETS, byte_tokenizer
+
+
+def quantized(values: np.ndarray, qtype: str) -> QuantizedTensor:
+    """`values` [rows, cols] float32 quantized by the gguf package (Q4_K blocks are built by hand:
+    the package cannot quantize to it)."""
+    rows, cols = values.shape
+    if qtype == "Q4_K":
+        return q4_k_blocks(rows, cols, np.random.default_rng(rows * cols))
+    return QuantizedTensor(qtype, (rows, cols), quants.quantize(values, GGMLQuantizationType[qtype]))
+
+
+def q4_k_blocks(rows: int, cols: int, rng) -> QuantizedTensor:
+    """Random Q4_K super-blocks (144 bytes per 256 values) with sane fp16 d and dmin."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.004], dtype=np.float16).view(np.uint8)
+    blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    return QuantizedTensor("Q4_K", (rows, cols), blocks.reshape(rows, -1))
+
+
+def weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_the_group_decoders_give_exactly_what_the_gguf_package_dequantizes(qtype):
+    tensor = quantized(weights(48, 512, seed=1), qtype)
+    want = quants.dequantize(tensor.blocks, GGMLQuantizationType[qtype])
+    assert torch.equal(tensor.groups().dequantize(), torch.from_numpy(want))
+    assert torch.equal(tensor.dequantize(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_the_int4_product_equals_the_dequantized_matmul(qtype, tokens):
+    tensor = quantized(weights(80, 512, seed=2), qtype)
+    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(3))
+    want = x @ tensor.dequantize().T
+    got = Int4Weight(tensor.groups())(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # bf16 activations, scales and outputs: well under 1% of the product's size
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_quantized_embedding_looks_up_the_exact_dequantized_rows(qtype):
+    tensor = quantized(weights(64, 96, seed=4), qtype)
+    ids = torch.tensor([5, 0, 63, 5])
+    assert torch.equal(QuantizedEmbedding(tensor.groups(), torch.float32)(ids), tensor.dequantize()[ids])
+
+
+def test_llama_q_and_k_rows_are_put_back_as_transformers_does():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    values = weights(config.num_key_value_heads * 16, 64, seed=5)
+    processor = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
+                                             "num_key_value_heads": config.num_key_value_heads})
+    want = processor.process(values, "blk.0.attn_k.weight").weights
+    path = write_gguf(config, "Q8_0", seed=0, only={"blk.0.attn_k.weight": values})
+    got = dict(read_gguf_tensors(path, config))["model.layers.0.self_attn.k_proj.weight"]
+    np.testing.assert_array_equal(got.blocks, quants.quantize(np.ascontiguousarray(want), GGMLQuantizationType.Q8_0))
+
+
+# ------------------------------------------------------------------------------------------
+# A tiny model as a real GGUF file
+
+
+def gguf_names(config) -> dict[str, tuple[int, int] | int]:
+    """The GGUF tensors of a tiny model: name -> shape (rows, cols) of a matrix, or length of a norm."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    names = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": hidden}
+    if not config.tie_word_embeddings:
+        names["output.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        names.update({f"blk.{i}.attn_q.weight": (q, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                      f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, q),
+                      f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                      f"blk.{i}.ffn_down.weight": (hidden, inter),
+                      f"blk.{i}.attn_norm.weight": hidden, f"blk.{i}.ffn_norm.weight": hidden})
+        if config.model_type == "qwen3":
+            names.update({f"blk.{i}.attn_q_norm.weight": head_dim, f"blk.{i}.attn_k_norm.weight": head_dim})
+    return names
+
+
+_written: dict = {}
+
+
+def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embedding: str = "Q8_0") -> str:
+    """A GGUF file of random weights in `qtype` (the embedding in `embedding`), in a temp folder."""
+    import tempfile
+
+    path = tempfile.mkstemp(suffix=".gguf")[1]
+    writer = GGUFWriter(path, arch=config.model_type)
+    rng = np.random.default_rng(seed)
+    tensors = only or {}
+    if only is None:
+        for name, shape in gguf_names(config).items():
+            tensors[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32) if isinstance(shape, int) \
+                else (rng.standard_normal(shape) * 0.15).astype(np.float32)
+    for name, values in tensors.items():
+        kind = embedding if name == "token_embd.weight" else qtype
+        if values.ndim == 1:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType[kind]),
+                              raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_source(config, path: str) -> ModelSource:
+    """The file as the engine sees a GGUF: dequantized to float32 unless read quantized."""
+    def dequantized():
+        for name, tensor in read_gguf_tensors(path, config):
+            yield name, tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+    return ModelSource("tiny-gguf", config, byte_tokenizer(), path, dequantized)
+
+
+def engine(source: ModelSource, weight_dtype: str) -> EngineCore:
+    return EngineCore(EngineConfig(model=source.path, device="cpu", compression=False, block_size=16,
+                                   num_kv_blocks=64, weight_dtype=weight_dtype), source)
+
+
+def finished(core: EngineCore, prompt: list[int], params: SamplingParams):
+    core.add_request(prompt, params)
+    outs = []
+    while core.has_work():
+        outs += [o for o in core.step() if o.finished]
+    return outs[0]
+
+
+def prompt_logprobs(core: EngineCore, prompt: list[int]) -> list:
+    """Each prompt token's TokenLogprobs (with the top-1) after the first, teacher-forced."""
+    return finished(core, prompt, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1)).prompt_logprobs[1:]
+
+
+@pytest.mark.parametrize("family,qtype,embedding", [("llama-tiny", "Q4_1", "Q8_0"), ("qwen3-tiny", "Q4_0", "Q4_0")])
+def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family, qtype, embedding, capsys,
+                                                                         monkeypatch):
+    rows_seen = []
+    forward = Int4Weight.forward
+    monkeypatch.setattr(Int4Weight, "forward", lambda self, x: rows_seen.append(x.shape[0]) or forward(self, x))
+    config = RANDOM_PRESETS[family].make_config()
+    source = gguf_source(config, write_gguf(config, qtype, seed=7, embedding=embedding))
+    quant, plain = engine(source, "auto"), engine(source, "float32")
+    report = quant.runner.model.weight_report.forms
+    tied = config.tie_word_embeddings
+    assert report[f"{qtype} -> int4"] == 4 * config.num_hidden_layers + (0 if tied else 1)  # + an untied head
+    assert report[f"{embedding} -> embedding rows"] == 1
+    assert report[f"{embedding} -> int4 LM head"] == (1 if tied else 0)
+    assert plain.runner.model.weight_report.forms == {}  # float32: nothing kept quantized
+    assert capsys.readouterr().err == ""  # nothing fell back
+    gen = torch.Generator().manual_seed(8)
+    agree = total = 0
+    for _ in range(4):
+        # Decode steps of one row take the int4 path; the prompt's prefill, the float copy.
+        prompt = torch.randint(0, 256, (20,), generator=gen).tolist()
+        out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0))
+        judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
+        for token, mine, ref in zip(out.token_ids, out.logprobs, judged):
+            # bf16 activations and scales: within 0.1 nats of the float32 model's own log-probability
+            assert mine.logprob == pytest.approx(ref.logprob, abs=0.1)
+            agree += next(iter(ref.top)) == token
+            total += 1
+    assert agree / total >= 0.9
+    assert 1 in rows_seen and max(rows_seen) <= 4  # decode steps ran int4; the 20-token prefills did not
+
+
+def test_a_type_no_kernel_runs_is_dequantized_and_said_so(capsys):
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    source = gguf_source(config, write_gguf(config, "Q5_0", seed=9))
+    core = engine(source, "auto")
+    assert core.runner.model.weight_report.forms["Q5_0 -> dequantized float32"] == 4 * config.num_hidden_layers + 1
+    assert "Q5_0 weights run dequantized on the CPU: no PyTorch CPU kernel for Q5_0 blocks" in capsys.readouterr().err
+    prompt = list(range(30))
+    mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
+    assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=1e-4)
+
+
+def test_the_listing_says_what_a_gguf_runs_as():
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    forms = cpu_weight_forms(write_gguf(config, "Q4_1", seed=10))
+    assert "Q4_1 x15 int4" in forms and "Q8_0 x1 embedding rows, else float32" in forms
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path):
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    data = open(write_gguf(config, "Q4_0", seed=11), "rb").read()
+    for cut in (10, 200, len(data) - 100):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="GGUF"):
+            tensor_index(bad)
+
+
+@pytest.mark.parametrize("knobs,message", [
+    (dict(weight_dtype="int4"), "weight_dtype='int4': must be one of auto, float32, bfloat16"),
+    (dict(weight_dtype="float32", dtype="bfloat16"), "disagrees with dtype='bfloat16'"),
+])
+def test_the_weight_dtype_knob_refuses_what_it_cannot_do(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**knobs)
