@@ -15,10 +15,12 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch loads only to read weights: `zipage models` reads headers without it
+    import torch
 
 GROUP = 32  # values per scale in every type `groups()` decodes
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -51,6 +53,7 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         """float32 values, exactly as the gguf package (and so transformers' loader) gives them."""
+        import torch
         from gguf import GGMLQuantizationType, quants
 
         values = quants.dequantize(np.ascontiguousarray(self.blocks), GGMLQuantizationType[self.qtype])
@@ -58,6 +61,8 @@ class QuantizedTensor:
 
     def groups(self) -> GroupedCodes:
         """The codes, scales and offsets of a Q4_0, Q4_1, Q4_K or Q8_0 tensor (ValueError otherwise)."""
+        import torch
+
         if self.qtype not in GROUPED_TYPES:
             raise ValueError(f"{self.qtype} is not a type of 32-value groups ({', '.join(GROUPED_TYPES)})")
         rows, cols = self.shape
@@ -118,6 +123,7 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
 def read_gguf_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (hf_parameter_name, tensor): float tensors as float32, quantized ones as QuantizedTensor,
     llama's q/k rows put back in Hugging Face order as transformers' loader does."""
+    import torch
     from gguf import GGMLQuantizationType, quants
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
