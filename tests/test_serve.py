@@ -353,9 +353,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "usr", "content": "hi"}]}, "messages", "role='usr'"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, "messages", "role='tool'"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": 7}]}, "messages",
+     "tool_call_id must be a string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+                              "response_format": {"type": "xml"}}, "response_format", "must be {type: text}"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],  # the preset's template: no tools
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "does not take tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream",
      "stream='yes'"),
 ]
