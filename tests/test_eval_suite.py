@@ -209,3 +209,20 @@ def test_the_leaderboard_joins_tasks_by_configuration(tiny_path, tmp_path):
     ec.write_json(str(path), recall_results)
     result = CliRunner().invoke(app, ["eval", "leaderboard", str(path)])
     assert result.exit_code == 0 and "| random | 0.0% |" in result.output
+
+
+def test_quick_narrows_only_what_is_left_at_its_default(tiny_path, monkeypatch):
+    """--quick: one budget, the default row against full KV and the task's smallest sample; an option
+    given explicitly still counts. The task runs for real on the tiny model."""
+    seen, real_run = {}, fidelity.run
+
+    def run(**kwargs):
+        seen.update(kwargs)
+        return real_run(**kwargs)
+
+    monkeypatch.setattr(fidelity, "run", run)
+    result = CliRunner().invoke(app, ["eval", "fidelity", "--quick", "--model", tiny_path, "--num-samples", "2"])
+    assert result.exit_code == 0, result.output
+    assert seen["budgets"] == ec.parse_budgets("50%") and seen["configurations"] == ["default"]
+    assert seen["num_samples"] == 2 and seen["tokens"] == 96  # given explicitly / --quick's
+    assert "| default |" in result.output and "| full KV |" in result.output

@@ -31,7 +31,12 @@ SHARED = [
     ("trace", str, None, "Write into this folder, for each sample of each compressed run, an SVG of what its "
                          "KV cache held after each compression (one row per compression, colour = share of "
                          "layers and heads holding each token)."),
+    ("quick", bool, False, "A first answer in a minute or two on a small CPU: one budget (50%), the default "
+                           "configuration against full KV, and the task's smallest sample (options given "
+                           "explicitly still count)."),
 ]
+# What --quick sets where an option keeps its default value.
+QUICK_SHARED = {"budgets": "50%", "configurations": "default"}
 
 
 def shared_options(func):
@@ -39,7 +44,7 @@ def shared_options(func):
     sig = inspect.signature(func)
     params = list(sig.parameters.values())
     for name, typ, default, help_text in SHARED:
-        decl = ["--json"] if name == "json_path" else []
+        decl = {"json_path": ["--json"], "quick": ["--quick"]}.get(name, [])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=typ,
                                         default=typer.Option(default, *decl, help=help_text)))
     params.append(inspect.Parameter(
@@ -56,6 +61,14 @@ def shared_options(func):
 
     wrapper.__signature__ = sig.replace(parameters=[p for p in params if p.name != "shared"])
     return wrapper
+
+
+def quick_options(shared: dict, options: dict, quick: dict, defaults: dict) -> tuple[dict, dict]:
+    """The shared and task options with --quick's values wherever an option keeps its default."""
+    shared_defaults = {name: default for name, _, default, _ in SHARED}
+    shared = {**shared, **{k: v for k, v in QUICK_SHARED.items() if shared[k] == shared_defaults[k]}}
+    options = {**options, **{k: v for k, v in quick.items() if options[k] == defaults[k]}}
+    return shared, options
 
 
 def run_task(module, shared: dict, **task_options) -> None:
@@ -83,16 +96,21 @@ def _bad_input(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def task_command(name: str, example: str, parse: dict[str, Callable[[str, str], object]] | None = None):
+def task_command(name: str, example: str, quick: dict, parse: dict[str, Callable[[str, str], object]] | None = None):
     """Register `zipage eval NAME` for the task module zipage.cli.eval.NAME. The decorated function only
     declares the task's own options (its docstring is the help); they reach the module's run() as they
-    are, or through parse[option](flag, text) for those given there. The shared options are appended."""
+    are, or through parse[option](flag, text) for those given there. The shared options are appended.
+    `quick`: the task's options under --quick."""
 
     def register(declare):
-        @eval_app.command(name, epilog=f"Example:\n\n  {example}")
+        defaults = {p.name: p.default.default for p in inspect.signature(declare).parameters.values()}
+
+        @eval_app.command(name, epilog=f"Example:\n\n  {example}\n\n  zipage eval {name} --quick")
         @shared_options
         @functools.wraps(declare)
         def command(shared: dict = None, **options):
+            if shared.pop("quick"):
+                shared, options = quick_options(shared, options, quick, defaults)
             for option, parser in (parse or {}).items():
                 options[option] = parser("--" + option.replace("_", "-"), options[option])
             # Imported on use: a task pulls in torch, which `zipage --help` need not wait for.
@@ -110,7 +128,8 @@ def _ints(option: str, text: str) -> list[int]:
         raise typer.BadParameter(f"{text!r}: expected integers separated by commas", param_hint=option) from None
 
 
-@task_command("fidelity", "zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8")
+@task_command("fidelity", "zipage eval fidelity --num-samples 2 --tokens 256 --budgets 4,8",
+              quick={"num_samples": 1, "tokens": 96})
 def fidelity_command(
     num_samples: int = typer.Option(4, help="Prompts from the split (8 per split)."),
     tokens: int = typer.Option(384, help="Greedy tokens generated per prompt by full KV, then teacher-forced."),
@@ -119,7 +138,7 @@ def fidelity_command(
 
 
 @task_command("needle", "zipage eval needle --lengths 1024,4096 --depths 0,50,100",
-              parse={"lengths": _ints, "depths": _ints})
+              quick={"lengths": "512", "depths": "50"}, parse={"lengths": _ints, "depths": _ints})
 def needle_command(
     num_samples: int = typer.Option(1, help="Samples per length, depth and kind (single key / several keys)."),
     lengths: str = typer.Option("512,1024", help="Prompt lengths in tokens, comma-separated."),
@@ -128,7 +147,8 @@ def needle_command(
     """Key retrieval through a compressed prompt (needle in a haystack): exact-match accuracy per depth."""
 
 
-@task_command("recall", "zipage eval recall --tokens 768 --num-samples 4")
+@task_command("recall", "zipage eval recall --tokens 768 --num-samples 4",
+              quick={"num_samples": 2, "tokens": 128})
 def recall_command(
     num_samples: int = typer.Option(8, help="Samples (one fact each)."),
     tokens: int = typer.Option(384, help="Story tokens forced between the fact and the question."),
@@ -136,7 +156,8 @@ def recall_command(
     """A fact, a long teacher-forced story compressed during decoding, then the question: exact match."""
 
 
-@task_command("vartrack", "zipage eval vartrack --hops 3 --length 1024")
+@task_command("vartrack", "zipage eval vartrack --hops 3 --length 1024",
+              quick={"num_samples": 2, "length": 256})
 def vartrack_command(
     num_samples: int = typer.Option(12, help="Samples."),
     length: int = typer.Option(512, help="Prompt length in tokens."),
