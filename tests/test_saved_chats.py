@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from console_helpers import HANG_S, KNOBS, help_text, send_terminal_bytes, type_line, wait_for
+from console_helpers import HANG_S, engine, help_text, send_terminal_bytes, type_line, wait_for  # noqa: F401 (engine: a fixture)
 from zipage.cli.console.chat import ChatApp, Message
 from zipage.cli.console.plain_chat import Conversation
 from zipage.cli.console.saved.browser import SavedChatsScreen
@@ -26,7 +26,6 @@ from zipage.cli.console.saved.export import to_markdown
 from zipage.cli.console.saved.saver import ChatSaver
 from zipage.cli.console.saved.store import FILE_NAME, SCHEMA_VERSION, ChatStore, SavedChatsError
 from zipage.cli.main import app as cli
-from zipage.engine.api.thread import EngineThread
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +36,6 @@ TINY = ["--model", "random:llama-tiny", "--device", "cpu", "--block-size", "16",
 def cli_env(data: Path) -> dict:
     """A `zipage` command's environment, its saved chats in `data`."""
     return dict(os.environ, PYTHONPATH=str(ROOT), ZIPAGE_DATA=str(data))
-
-
-@pytest.fixture(scope="module")
-def engine():
-    service = EngineThread("random:llama-tiny", **KNOBS)
-    yield service
-    service.close()
 
 
 @pytest.fixture
