@@ -7,8 +7,8 @@
 Part 1 times one request through the engine, splitting each decode step into the model forward,
 the decode attention inside it, and everything else on the host (scheduling, sampling,
 bookkeeping). Part 2 times transformers' continuous batching on the same weights and request.
-Part 3 times the CPU decode attention call alone at the engine's shapes. All with --threads
-intra-op threads. The engine's weights follow --weight-dtype (auto: a quantized GGUF runs as stored,
+Part 3 times the CPU decode attention call alone at the engine's shapes. All with the engine's
+intra-op threads: --threads, else its own choice (cpu_threads). The engine's weights follow --weight-dtype (auto: a quantized GGUF runs as stored,
 docs/design-notes.md, "Quantized CPU weights"); --engine-only stops after part 1.
 """
 
@@ -34,13 +34,15 @@ def timed(fn, repeats: int = 50) -> float:
     return 1000 * statistics.median(samples)
 
 
-def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: str = "auto") -> None:
+def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: str = "auto",
+                     threads: int | None = None) -> None:
     from zipage import kernels
     from zipage.engine import LLM
     from zipage.engine.config import SamplingParams
     from zipage.cli.bench import random_prompts
 
-    llm = LLM(model, device="cpu", num_kv_blocks=64, weight_dtype=weight_dtype)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, weight_dtype=weight_dtype, cpu_threads=threads)
+    print(f"torch {torch.__version__}, {llm.engine.device_label} ({llm.engine.cpu_threads.why})")
     attention, forward = [], []
     decode_attention, launch = kernels.paged_decode_attention, llm.engine.runner.launch
 
@@ -112,13 +114,12 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (default: the engine's choice, cpu_threads)")
     parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--engine-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
-    engine_breakdown(args.model, args.input_len, args.output_len, args.weight_dtype)
+    engine_breakdown(args.model, args.input_len, args.output_len, args.weight_dtype, args.threads)
     if args.engine_only:
         return
     hf_one_request(args.model, args.input_len, args.output_len)

@@ -159,18 +159,17 @@ def main(argv=None) -> dict:
                         help="Zipage's weight_dtype (modes zipage and fullkv)")
     parser.add_argument("--llama-python", default=sys.executable, help="interpreter with llama-cpp-python")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads for every mode (default: torch's choice)")
+                        help="intra-op threads for every mode (default: the engine's choice, cpu_threads)")
     args = bench_common.parse_args(parser, argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
-               **bench_common.cpu_description(), "modes": {}}
     modes = args.modes.split(",")
     from zipage.engine import LLM
 
     weights = dict(weight_dtype=args.weight_dtype)  # "float32" / "bfloat16" must match --dtype
-    llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True, **weights)
+    # The first engine sets the process's threads; the other modes run on them.
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, compression=True, cpu_threads=args.threads, **weights)
+    results = {"model": args.model, "num_requests": args.num_requests, "output_len": args.output_len,
+               **bench_common.cpu_description(), "modes": {}}
     results["dtype"], results["weight_dtype"] = args.dtype, args.weight_dtype
     prompts = chat_prompts(llm.tokenizer, args.num_requests)
     results["prompt_tokens"] = [len(p) for p in prompts]

@@ -240,9 +240,10 @@ def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
     runner = engine.runner
     step_ms = timed_steps(engine, 20)
     host_profile(engine, 10, profile_path)
-    elem = torch.finfo(runner.dtype).bits // 8
+    # an entry of one head: its values, and in fp8 its float32 scale
+    per_entry = runner.head_dim * (torch.finfo(runner.kv_dtype).bits // 8) + (4 if runner.kv_fp8 else 0)
     kv_entries = sum(s.kv_len for s in seqs)
-    kv_bytes = kv_entries * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * elem
+    kv_bytes = kv_entries * runner.num_layers * 2 * runner.num_kv_heads * per_entry
     read = kv_bytes + runner.weight_bytes
     out = {"batch": batch, "context": context, "kv_bytes_read": kv_bytes, "weight_bytes": runner.weight_bytes,
            "bytes_read": read, "copy_bandwidth_GBps": bandwidth / 1e9, "roofline_ms": 1e3 * read / bandwidth,
@@ -267,6 +268,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--loaded-batch", type=int, default=64)
     parser.add_argument("--loaded-context", type=int, default=2000)
     parser.add_argument("--compression", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     parser.add_argument("--budget-policy", choices=("fixed", "elastic"), default="fixed",
                         help="fixed: compress at the budget; elastic: only when the pool is short")
     parser.add_argument("--seed", type=int, default=0)
@@ -303,7 +305,7 @@ def main(argv=None) -> dict:
         try:
             engine = EngineCore(EngineConfig(model=args.model, device=args.device,
                                              compression=bool(args.compression), seed=args.seed,
-                                             budget_policy=args.budget_policy,
+                                             budget_policy=args.budget_policy, kv_cache_dtype=args.kv_cache_dtype,
                                              overlap_steps={"auto": None, "on": True, "off": False}[args.overlap]))
         except Exception as e:  # record and go on to the next variant
             r["error"] = f"{type(e).__name__}: {e}"

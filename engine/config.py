@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 
 EVICTION_POLICIES = ("score", "random", "recent")
 BUDGET_POLICIES = ("fixed", "elastic")
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # docs/design-notes.md, "Budgets"
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # docs/design-notes.md, "Quantized CPU weights"
+KV_CACHE_DTYPES = ("auto", "fp8")  # docs/design-notes.md, "KV in 8 bits"
 DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/loading/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
@@ -46,6 +47,10 @@ class EngineConfig:
     # "auto": a quantized GGUF runs as stored on the CPU where a kernel maps its type (docs/design-notes.md,
     # "Quantized CPU weights"); "float32" / "bfloat16": every weight dequantized to that dtype.
     weight_dtype: str = "auto"
+    # "auto": K and V in the model's dtype; "fp8": float8_e4m3fn with a scale per entry and KV head,
+    # half the bytes of bf16 (docs/design-notes.md, "KV in 8 bits").
+    kv_cache_dtype: str = "auto"
+    cpu_threads: int | None = None  # CPU: intra-op threads of the engine; None: chosen for the machine
 
     # Compressed PagedAttention
     compression: bool = True  # False: the full-KV baseline on the same engine
@@ -115,6 +120,10 @@ class EngineConfig:
             _fail("dtype", self.dtype, 'must be "float32", "bfloat16", "float16" or None')
         if self.weight_dtype not in WEIGHT_DTYPES:
             _fail("weight_dtype", self.weight_dtype, f"must be one of {', '.join(WEIGHT_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.cpu_threads is not None:
+            self._positive_int("cpu_threads")
         if self.weight_dtype != "auto" and self.dtype not in (None, self.weight_dtype):
             _fail("weight_dtype", self.weight_dtype, f"disagrees with dtype={self.dtype!r}: dequantized weights "
                                                      "run in the model's dtype, so set one of the two")

@@ -2,6 +2,13 @@
 
 Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
 A slot is block_id * block_size + offset. Block tables are int32 [batch, max_blocks], padded with -1.
+
+An fp8 cache (docs/design-notes.md, "KV in 8 bits") holds float8_e4m3fn codes beside float32 scales
+k_scales, v_scales [num_blocks, block_size, num_kv_heads], one per entry and KV head: the entry's
+value is code * scale. The engine lays them out [num_blocks, num_kv_heads, block_size] in memory (a
+transposed view), so one head's scales in a block are contiguous: kernels read them by stride. Every
+kernel that reads or writes the cache takes them as keyword arguments; None means a cache in the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -9,32 +16,76 @@ from __future__ import annotations
 import torch
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (codes in dtype, float32 scales [...]): each row scaled so its largest
+    magnitude is FP8_MAX (an all-zero row gets scale 1), divided, clamped and rounded to nearest."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (x32 / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return codes, scales
+
+
+def dequantize(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Cache entries as values: codes * scales in float32 for an fp8 cache, the cache itself otherwise."""
+    return cache if scales is None else cache.float() * scales[..., None]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor as uint8 (the CPU has no index_copy_ for float8), any other unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _store_rows(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> None:
+    kv_heads, head_dim = cache.shape[-2:]
+    if scales is None:
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
+        return
+    codes, row_scales = quantize_rows(x, cache.dtype)
+    _as_bytes(cache).view(-1, kv_heads, head_dim).index_copy_(0, slots, _as_bytes(codes))
+    scales[_block_and_offset(scales, slots)] = row_scales
+
+
+def _block_and_offset(scales: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots as (block, offset) indices into scales: they may be a strided view, which no flat view
+    of slots can address."""
+    return slots // scales.shape[1], slots % scales.shape[1]
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped."""
-    kv_heads, head_dim = k_cache.shape[-2:]
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped. With
+    scales (an fp8 cache) each entry is quantized on its own (quantize_rows)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     slots = slot_mapping.long()
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    _store_rows(key, k_cache, k_scales, slots)
+    _store_rows(value, v_cache, v_scales, slots)
 
 
 PREFILL_QUERY_TILE = 512  # query rows per attention call on the CPU path
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` entries of one sequence, in logical order: [length, kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `length` entries of one sequence, in logical order: [length, kv_heads, head_dim]
+    (values in float32 when scales are given)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
     blocks = block_table[:num_blocks].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    entries = cache[blocks].flatten(0, 1)[:length]
+    return entries if scales is None else dequantize(entries, scales[blocks].flatten(0, 1)[:length])
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     query [batch, q_heads, head_dim]; context_lens [batch] (KV entries, the new token's included).
@@ -46,8 +97,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     table = block_tables.long()
     flat = table.clamp(min=0).flatten()
     # [batch, tokens, kv_heads, head_dim], read through the block table
-    keys = k_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
-    values = v_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
+    keys = _read_blocks(k_cache, k_scales, flat).view(batch, width * block_size, kv_heads, head_dim)
+    values = _read_blocks(v_cache, v_scales, flat).view(batch, width * block_size, kv_heads, head_dim)
     positions = torch.arange(width * block_size, device=query.device)
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)
@@ -63,9 +114,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.reshape(batch, q_heads, head_dim)
 
 
+def _read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of the cache, as values."""
+    if scales is None:
+        return cache.index_select(0, blocks)
+    return dequantize(cache.index_select(0, blocks), scales.index_select(0, blocks))
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, k_scales: torch.Tensor | None = None,
+                      v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal attention whose keys are read through the block table, so a cached
     prefix (or earlier chunk) is attended without being recomputed.
 
@@ -84,8 +143,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if num_q == 0:
             continue
         # [heads, tokens, dim] layout for SDPA; K/V heads repeated for the GQA groups.
-        kh = gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1).repeat_interleave(group, dim=0)
-        vh = gather_kv(v_cache, block_tables[i], kv_len).transpose(0, 1).repeat_interleave(group, dim=0)
+        kh = gather_kv(k_cache, block_tables[i], kv_len, k_scales).transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = gather_kv(v_cache, block_tables[i], kv_len, v_scales).transpose(0, 1).repeat_interleave(group, dim=0)
         kh, vh = kh.to(query.dtype), vh.to(query.dtype)
         # Queries in tiles: the scores of one tile ([heads, tile, keys]) bound the memory of a long
         # prompt, and a tile reads only the keys it can see.
@@ -115,7 +174,7 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
 
 
 def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           kv_len: int, scale: float) -> torch.Tensor:
+                           kv_len: int, scale: float, k_scales: torch.Tensor | None = None) -> torch.Tensor:
     """How much the last w queries attend to each cached key of one sequence.
 
     window_queries [w, q_heads, head_dim] belong to the last w KV entries, oldest first; causal inside
@@ -125,7 +184,7 @@ def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, 
     w, q_heads, head_dim = window_queries.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
-    keys = gather_kv(k_cache, block_table, kv_len).float()  # [T, kv_heads, D]
+    keys = gather_kv(k_cache, block_table, kv_len, k_scales).float()  # [T, kv_heads, D]
     q = window_queries.float().view(w, kv_heads, group, head_dim)
     logits = torch.einsum("wkgd,tkd->kgwt", q, keys) * scale
     q_index = torch.arange(kv_len - w, kv_len, device=keys.device)
@@ -193,7 +252,8 @@ def keep_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None,
                position_cache: torch.Tensor | None = None, choice_cache: torch.Tensor | None = None,
-               kept_choices: torch.Tensor | None = None) -> None:
+               kept_choices: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> None:
     """Move the kept entries of every KV head into the target slots, all at once.
 
     src_slots [kv_heads, keep]: the cache slot each head keeps at each position; dst_slots [keep].
@@ -202,18 +262,21 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     position_cache [slots, kv_heads] (optional, int32): each entry's token position, moved with its
     entry; choice_cache [slots, kv_heads] (optional) receives kept_choices [kv_heads, keep], the score
     each kept entry was ranked by (docs/design-notes.md, "What a request still holds").
+    k_scales, v_scales (an fp8 cache): each entry's scale moves with its codes; nothing is re-quantized.
     """
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     heads = torch.arange(kv_heads, device=k_cache.device)[None, :]
     src = src_slots.t().long()  # [keep, kv_heads]
     dst = dst_slots.long()
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
-    kept_k = k_flat[src, heads]  # [keep, kv_heads, D] (a copy)
-    kept_v = v_flat[src, heads]
+    flat = [k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)]
+    kept = [t[src, heads] for t in flat]  # [keep, kv_heads, D] (copies)
+    scales = [t for t in (k_scales, v_scales) if t is not None]
+    kept_scales = [t[(*_block_and_offset(t, src), heads)] for t in scales]  # [keep, kv_heads]
     kept_positions = position_cache[src, heads] if position_cache is not None else None
-    k_flat[dst] = kept_k
-    v_flat[dst] = kept_v
+    for t, entries in zip(flat, kept):
+        t[dst] = entries
+    for t, entries in zip(scales, kept_scales):
+        t[_block_and_offset(t, dst)] = entries
     if score_cache is not None and kept_scores is not None:
         score_cache[dst] = kept_scores.t().to(score_cache.dtype)
     if kept_positions is not None:
@@ -255,13 +318,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
+                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None,
+                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Everything between the QKV projection and attention, for one layer.
 
     qkv [tokens, (q_heads + 2 * kv_heads) * head_dim] is split into q, k, v; q and k get the per-head
     RMSNorm (when q_norm/k_norm are given, Qwen3) and the rotary embedding (cos, sin: [tokens,
     head_dim] float, each token's rows of the tables); k and v are stored into their cache slots (-1
-    skips) and q into its query-cache row when query_slot_mapping is given (-1 skips).
+    skips; quantized when k_scales, v_scales are given) and q into its query-cache row when
+    query_slot_mapping is given (-1 skips).
     Returns q [tokens, q_heads, head_dim] in qkv's dtype (a view).
     """
     tokens = qkv.shape[0]
@@ -274,7 +339,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     # q and k heads rotate together: the same elementwise ops on one tensor, half the op count.
     qk = _rotate(qk, cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :])
     q, k = qk[:, :q_heads], qk[:, q_heads:]
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     if query_slot_mapping is not None:
         store_queries(q, query_cache, query_slot_mapping)
     return q

@@ -4,6 +4,12 @@ prefill attention reading keys/values through the block table.
 Both have exactly the signatures and semantics of `kernels.reference`. Neither syncs with the host:
 every grid and loop bound comes from tensor shapes or from values loaded inside the kernel, so
 decode attention can be captured in a CUDA graph.
+
+An fp8 cache (k_scales, v_scales given) is read as codes converted to the query's dtype for tl.dot
+(exact: every float8_e4m3fn value is a bf16/fp16/fp32 value); the per-entry scales are folded in
+rather than multiplied into every element: a key's scale multiplies its logit, a value's scale its
+probability weight before P @ V. Those branches are constexpr (FP8): for a cache in the model's
+dtype the compiled kernels are the same as before, but for a few unused arguments.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ def _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def codes_and_scales(codes, scales_ptr, blk, off, kvh, row_ok, ss_b, ss_o, ss_h, dtype: tl.constexpr):
+    """A tile of fp8 codes [rows, D] of kv head kvh at (cache block blk, offset off) per row, as
+    dtype (the query's, for tl.dot), and each row's scale [rows] (0 where not row_ok): value = code * scale."""
+    scales = tl.load(scales_ptr + blk * ss_b + off * ss_o + kvh * ss_h, mask=row_ok, other=0.0)
+    return codes.to(dtype), scales
+
+
+@triton.jit
 def softmax_fold(s, m_i, l_i):
     """Online softmax in base 2: the running row max and sum after one more tile of scores s
     [rows, keys] (-inf where masked), plus the tile's probabilities against the new max and the
@@ -60,19 +74,25 @@ def softmax_fold(s, m_i, l_i):
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh, d, d_ok,
-    scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh,
+    d, d_ok, scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Fold the key tile at positions t (valid where t_ok) of one kv head, read through the block
     table, into the running (max, sum, accumulator) of the query rows q. CAUSAL also hides keys
-    past each row's position q_pos; without it only missing keys are hidden."""
+    past each row's position q_pos; without it only missing keys are hidden. FP8: the caches hold
+    codes, their scales at ks_ptr, vs_ptr (strides ss_*)."""
     blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
     off = t % BLOCK_SIZE
     kv_mask = t_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
                 mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    logit_scale = scale_log2
+    if FP8:  # one factor per key: its scale with the softmax scale
+        k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
+        logit_scale = (k_scales * scale_log2)[None, :]
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
     if CAUSAL:
         s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
     else:
@@ -80,6 +100,9 @@ def _attend_tile(
     m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
     v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
                 mask=kv_mask, other=0.0)
+    if FP8:  # a value's scale weighs its probability
+        v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
+        p = p * v_scales[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
 
@@ -101,6 +124,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cache_args(query: torch.Tensor, cache: torch.Tensor, *scales: torch.Tensor | None) -> tuple:
+    """Kernel arguments for reading a cache: its scales tensors (the cache itself, never read, when
+    there are none), their strides (one layout for all), FP8 and the dot precision. tl.dot runs in
+    the cache's dtype, or, for an fp8 cache, in the query's (the codes are converted to it)."""
+    fp8 = scales[0] is not None
+    if fp8 != (cache.dtype == torch.float8_e4m3fn) or any((s is not None) != fp8 for s in scales):
+        raise ValueError(f"a {cache.dtype} cache needs scales exactly when it is float8_e4m3fn")
+    if not fp8:
+        return (cache,) * len(scales) + (0, 0, 0, False, dot_precision(cache.dtype))
+    if any(s.stride() != scales[0].stride() for s in scales):
+        raise ValueError("k_scales and v_scales must share one layout")
+    return (*scales, *scales[0].stride(), True, dot_precision(query.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Paged decode attention
 
@@ -117,16 +154,18 @@ def _partition_len(ctx, num_partitions, min_partition, BLOCK_N: tl.constexpr):
 # whenever one of them turns divisible by 16 or not, pausing every stream mid-serve.
 @triton.jit(do_not_specialize=["table_width", "num_partitions", "min_partition", "s_tb"])
 def _decode_partition_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
     scale_log2, table_width, num_partitions, min_partition,
     s_qb, s_qh, s_qd,
     s_kb, s_ko, s_kh, s_kd,
     s_vb, s_vo, s_vh, s_vd,
+    ss_b, ss_o, ss_h,
     s_tb, s_tn,
     s_ob, s_oh, s_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -151,7 +190,8 @@ def _decode_partition_kernel(
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+        q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -161,10 +201,10 @@ def _decode_partition_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + n
         # Every key of the context precedes the one query, so nothing is causally hidden.
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row, s_tn, table_width,
-                                     t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
-                                     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                     BLOCK_N, BLOCK_SIZE, False, PREC)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn,
+                                     table_width, t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
+                                     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
+                                     BLOCK_N, BLOCK_SIZE, False, PREC, FP8)
 
     if SINGLE:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -214,10 +254,12 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _decode_tile(block_size: int) -> int:
+def _decode_tile(block_size: int, fp8: bool = False) -> int:
     """Keys per step of the decode loop. 64 for every block size: with smaller blocks a tile spans
-    several blocks (block ids gathered per token), with larger ones it stays inside one block."""
-    return 64
+    several blocks (block ids gathered per token), with larger ones it stays inside one block. An
+    fp8 cache takes 128: the same bytes per load as bf16's 64, 15% faster on the H200 at batch 64
+    (docs/benchmarks.md, "KV in 8 bits")."""
+    return 128 if fp8 else 64
 
 
 def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
@@ -235,7 +277,7 @@ def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_siz
 
 def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
                                 num_partitions: int | None = None, min_partition: int | None = None,
-                                block_n: int | None = None):
+                                block_n: int | None = None, k_scales=None, v_scales=None):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
     shortest partition in tokens (a multiple of the key tile) and the key tile."""
     batch, q_heads, head_dim = query.shape
@@ -245,7 +287,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    tile = block_n or _decode_tile(block_size)
+    tile = block_n or _decode_tile(block_size, k_cache.dtype == torch.float8_e4m3fn)
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
     if min_partition is None:
@@ -260,14 +302,16 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         acc_buf = torch.empty((batch, q_heads, num_partitions, head_dim), dtype=torch.float32, device=query.device)
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     g_pad = max(16, next_pow2(group))
+    ks, vs, ss_b, ss_o, ss_h, fp8, prec = cache_args(query, k_cache, k_scales, v_scales)
     grid = (batch, kv_heads, num_partitions)
     _decode_partition_kernel[grid](
-        query, k_cache, v_cache, block_tables, context_lens,
+        query, k_cache, v_cache, ks, vs, block_tables, context_lens,
         out, m_buf, l_buf, acc_buf,
         float(scale) * LOG2E, table_width, num_partitions, min_partition,
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), ss_b, ss_o, ss_h,
+        *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=dot_precision(k_cache.dtype),
+        BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, FP8=fp8,
         num_warps=4, num_stages=2,
     )
     if not single:
@@ -281,9 +325,11 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context (see kernels.reference)."""
-    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                       k_scales=k_scales, v_scales=v_scales)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,15 +351,16 @@ class PrefillTiles:
 
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn, table_width, t0, n, kv_end, q_pos,
-    kvh, d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, n,
+    kv_end, q_pos, kvh, d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    TMA: tl.constexpr, PREC: tl.constexpr,
+    TMA: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
 ):
     """Fold one key tile into the running softmax of the query rows. A full tile (MASKED false)
     lies wholly before every row's position and inside the context: no mask, and with TMA its
     keys and values come by bulk copy (the tile sits inside one cache block). The diagonal and
-    last tiles hide keys past each row's position and past the context."""
+    last tiles hide keys past each row's position and past the context. FP8: the caches (and
+    their bulk copies) hold codes, their scales at ks_ptr, vs_ptr (strides ss_*)."""
     t = t0 + n
     if MASKED:
         blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t < kv_end, BLOCK_N, BLOCK_SIZE)
@@ -335,7 +382,14 @@ def _prefill_tile(
                     mask=d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
                     mask=d_ok[None, :], other=0.0)
+    if FP8:  # the keys' codes as q's dtype, with their scales
+        if not MASKED:
+            t_ok = t < kv_end  # all true: a full tile
+        off = t % BLOCK_SIZE
+        k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if FP8:  # a key's scale multiplies its logit
+        s = s * k_scales[None, :]
     if MASKED:
         s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
         m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
@@ -345,22 +399,26 @@ def _prefill_tile(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if FP8:  # a value's scale weighs its probability (converted only now: fewer live registers)
+        v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
+        p = p * v_scales[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs", "table_width", "num_tiles", "s_tb"])  # see the decode kernel
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, cu_ptr, lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
     qk_scale, num_seqs, table_width, num_tiles,
     s_qt, s_qh, s_qd,
     s_kb, s_ko, s_kh, s_kd,
     s_vb, s_vo, s_vh, s_vd,
+    ss_b, ss_o, ss_h,
     s_tb, s_tn,
     s_ot, s_oh, s_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, PREC: tl.constexpr,
-    TMA: tl.constexpr, HEADS_FAST: tl.constexpr,
+    TMA: tl.constexpr, HEADS_FAST: tl.constexpr, FP8: tl.constexpr,
 ):
     """One (query tile, query head). Tiles are numbered across sequences in order; each program
     finds its sequence from cu_seqlens in-kernel (no host mapping). Surplus programs do nothing.
@@ -398,7 +456,8 @@ def _prefill_kernel(
     rows = (q_begin + i).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+        q = q.to(k_ptr.dtype.element_ty)
 
     # Keys before the tile's first row are seen by every row: full tiles, no mask. The rest, up to
     # the last row's position, are the diagonal.
@@ -410,15 +469,15 @@ def _prefill_kernel(
     table_row = table_ptr + seq.to(tl.int64) * s_tb
     n = tl.arange(0, BLOCK_N)
     for t0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn,
-                                      table_width, t0, n, kv_end, q_pos, kvh, d, d_ok, qk_scale,
-                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                      BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, TMA, PREC)
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr,
+                                      table_row, s_tn, table_width, t0, n, kv_end, q_pos, kvh, d, d_ok,
+                                      qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, TMA, PREC, FP8)
     for t0 in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, table_row, s_tn,
-                                      table_width, t0, n, kv_end, q_pos, kvh, d, d_ok, qk_scale,
-                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                      BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, TMA, PREC)
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr,
+                                      table_row, s_tn, table_width, t0, n, kv_end, q_pos, kvh, d, d_ok,
+                                      qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, TMA, PREC, FP8)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + d[None, :] * s_od,
@@ -432,14 +491,16 @@ def _hopper(device: torch.device) -> bool:
 def prefill_tiles(total: int, head_dim: int, device: torch.device, itemsize: int = 2) -> PrefillTiles:
     """The launch shape for a prefill of `total` query rows of a cache with `itemsize`-byte entries
     (docs/benchmarks.md, "Prefill attention at the compute limit", has the sweep the Hopper shapes
-    come from: 128 x 128 tiles for head size 128, 64 x 64 with the heads side by side for 64)."""
+    come from: 128 x 128 tiles for head size 128, 64 x 64 with the heads side by side for 64).
+    An fp8 cache (1 byte) takes 64-key tiles at head size 128: its codes pass through registers to
+    be converted, and with 128 keys the sm_90 build spills (untimed; chosen from ptxas's usage)."""
     d_pad = max(16, next_pow2(head_dim))
     block_n = 64 if d_pad <= 128 else 32
     if total >= 128 and itemsize <= 2 and _hopper(device):
         if d_pad <= 64:
             return PrefillTiles(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True, heads_fast=True)
         if d_pad == 128:
-            return PrefillTiles(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+            return PrefillTiles(block_m=128, block_n=128 if itemsize == 2 else 64, num_warps=8, num_stages=3, tma=True)
     return PrefillTiles(block_m=64 if total >= 64 else 16, block_n=block_n,
                         num_warps=4 if d_pad <= 64 else 8, num_stages=2)
 
@@ -460,7 +521,7 @@ def _row_view_descriptor(cache, block_n: int, head_dim: int):
 
 def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                            block_m: int | None = None, block_n: int | None = None,
-                           tiles: PrefillTiles | None = None):
+                           tiles: PrefillTiles | None = None, k_scales=None, v_scales=None):
     total, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((total, q_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -480,13 +541,15 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
     # Sum over sequences of ceil(q_i / BLOCK_M) never exceeds this (a shape-only bound).
     num_tiles = min(total, triton.cdiv(total, tiles.block_m) + num_seqs)
     grid = (q_heads, num_tiles) if tiles.heads_fast else (num_tiles, q_heads)
+    ks, vs, ss_b, ss_o, ss_h, fp8, prec = cache_args(query, k_cache, k_scales, v_scales)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, k_desc, v_desc, block_tables, cu_seqlens_q, context_lens, out,
+        query, k_cache, v_cache, k_desc, v_desc, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
         float(scale) * LOG2E, num_seqs, block_tables.shape[1], num_tiles,
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), ss_b, ss_o, ss_h,
+        *block_tables.stride(), *out.stride(),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, B_PAD=max(64, next_pow2(num_seqs)),  # few variants
-        PREC=dot_precision(k_cache.dtype), TMA=tma, HEADS_FAST=tiles.heads_fast,
+        PREC=prec, TMA=tma, HEADS_FAST=tiles.heads_fast, FP8=fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -494,10 +557,13 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, k_scales: torch.Tensor | None = None,
+                      v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal attention through the block table (see kernels.reference)."""
-    return prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                  k_scales=k_scales, v_scales=v_scales)
 
 
 __all__ = ["paged_decode_attention", "prefill_attention", "paged_decode_attention_impl",
-           "prefill_attention_impl", "prefill_tiles", "PrefillTiles", "decode_num_partitions", "next_pow2", "num_sms", "dot_precision"]
+           "prefill_attention_impl", "prefill_tiles", "PrefillTiles", "decode_num_partitions", "next_pow2", "num_sms",
+           "dot_precision", "cache_args", "codes_and_scales"]

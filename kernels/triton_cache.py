@@ -1,5 +1,8 @@
 """Triton cache kernels: store K/V into slots, store queries into query-cache rows, and the parallel
-compaction of kept entries into target blocks (gather everything, then scatter: two launches)."""
+compaction of kept entries into target blocks (gather everything, then scatter: two launches).
+
+An fp8 cache (k_scales, v_scales given; see kernels.reference) is written as float8_e4m3fn codes
+and a float32 scale per entry and KV head; compaction moves codes and scales, never re-quantizing."""
 
 from __future__ import annotations
 
@@ -9,17 +12,54 @@ import triton.language as tl
 
 from zipage.kernels.triton_attention import next_pow2
 
+FP8_MAX = tl.constexpr(448.0)  # reference.FP8_MAX, the largest finite float8_e4m3fn
+
+
+@triton.jit
+def fp8_scale(amax):
+    """The scale of a row whose largest magnitude is amax (float32), as reference.quantize_rows:
+    amax lands on FP8_MAX; an all-zero row gets 1 (its codes are 0 either way)."""
+    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+@triton.jit
+def fp8_codes(x, scale):
+    """x (float32) divided by its row's scale and clamped to +-FP8_MAX, as reference.quantize_rows;
+    the store's cast to the fp8 cache dtype then rounds it to nearest even."""
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+
+
+def fp8_cache(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> bool:
+    """Whether the cache is fp8 (scales given); K and V are both fp8 or neither."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales go together")
+    return k_scales is not None
+
+
+@triton.jit
+def _store_rows(src, dst, mask, scale_dst, row_mask, QUANT: tl.constexpr):
+    """Load a tile of rows [H_PAD, D_PAD] through the pointers src and store it through dst; with
+    QUANT each row is quantized on its own and its scale stored through scale_dst [H_PAD]."""
+    x = tl.load(src, mask=mask, other=0.0)
+    if QUANT:
+        x = x.to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(scale_dst, scale, mask=row_mask)
+        x = fp8_codes(x, scale[:, None])
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _store_rows_kernel(
-    a_ptr, b_ptr, dst_a_ptr, dst_b_ptr, slot_ptr,
+    a_ptr, b_ptr, dst_a_ptr, dst_b_ptr, slot_ptr, sc_a_ptr, sc_b_ptr,
     s_at, s_ah, s_ad, s_bt, s_bh, s_bd,
-    s_xb, s_xo, s_xh, s_xd, s_yb, s_yo, s_yh, s_yd,
+    s_xb, s_xo, s_xh, s_xd, s_yb, s_yo, s_yh, s_yd, s_sab, s_sao, s_sah, s_sbb, s_sbo, s_sbh,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TWO: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TWO: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Row t of a (and of b when TWO) -> slot slot[t] of dst_a (dst_b); a negative slot is skipped.
-    A slot addresses (slot // BLOCK_SIZE, slot % BLOCK_SIZE) in the destination's first two dims."""
+    A slot addresses (slot // BLOCK_SIZE, slot % BLOCK_SIZE) in the destination's first two dims.
+    With QUANT (an fp8 cache) the rows' scales go to the same slot of sc_a (sc_b)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = slot >= 0
@@ -28,15 +68,16 @@ def _store_rows_kernel(
     off = slot % BLOCK_SIZE
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
-    mask = ok & (h < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    row_mask = ok & (h < HEADS)
+    mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
     row = t.to(tl.int64)
-    x = tl.load(a_ptr + row * s_at + h[:, None] * s_ah + d[None, :] * s_ad, mask=mask)
-    tl.store(dst_a_ptr + blk * s_xb + off * s_xo + h[:, None] * s_xh + d[None, :] * s_xd,
-             x.to(dst_a_ptr.dtype.element_ty), mask=mask)
+    _store_rows(a_ptr + row * s_at + h[:, None] * s_ah + d[None, :] * s_ad,
+                dst_a_ptr + blk * s_xb + off * s_xo + h[:, None] * s_xh + d[None, :] * s_xd, mask,
+                sc_a_ptr + blk * s_sab + off * s_sao + h * s_sah, row_mask, QUANT)
     if TWO:
-        y = tl.load(b_ptr + row * s_bt + h[:, None] * s_bh + d[None, :] * s_bd, mask=mask)
-        tl.store(dst_b_ptr + blk * s_yb + off * s_yo + h[:, None] * s_yh + d[None, :] * s_yd,
-                 y.to(dst_b_ptr.dtype.element_ty), mask=mask)
+        _store_rows(b_ptr + row * s_bt + h[:, None] * s_bh + d[None, :] * s_bd,
+                    dst_b_ptr + blk * s_yb + off * s_yo + h[:, None] * s_yh + d[None, :] * s_yd, mask,
+                    sc_b_ptr + blk * s_sbb + off * s_sbo + h * s_sbh, row_mask, QUANT)
 
 
 def _warps(elements: int) -> int:
@@ -44,18 +85,23 @@ def _warps(elements: int) -> int:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped."""
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped. With
+    scales (an fp8 cache) each entry is quantized on its own (reference.quantize_rows)."""
     tokens = key.shape[0]
     if tokens == 0:
         return
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     h_pad, d_pad = next_pow2(kv_heads), next_pow2(head_dim)
+    quant = fp8_cache(k_scales, v_scales)
+    scales = (k_scales, v_scales) if quant else (k_cache, v_cache)  # unused pointers without QUANT
+    scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6
     _store_rows_kernel[(tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        key, value, k_cache, v_cache, slot_mapping, *scales,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
         HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=block_size, TWO=True,
-        num_warps=_warps(h_pad * d_pad),
+        QUANT=quant, num_warps=_warps(h_pad * d_pad),
     )
 
 
@@ -68,10 +114,10 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
     h_pad, d_pad = next_pow2(q_heads), next_pow2(head_dim)
     row_stride = query_cache.stride(0)
     _store_rows_kernel[(tokens,)](
-        query, query, query_cache, query_cache, query_slot_mapping,
+        query, query, query_cache, query_cache, query_slot_mapping, query_cache, query_cache,
         *query.stride(), *query.stride(),
-        row_stride, 0, *query_cache.stride()[1:], row_stride, 0, *query_cache.stride()[1:],
-        HEADS=q_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=1, TWO=False,
+        row_stride, 0, *query_cache.stride()[1:], row_stride, 0, *query_cache.stride()[1:], *(0,) * 6,
+        HEADS=q_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=1, TWO=False, QUANT=False,
         num_warps=_warps(h_pad * d_pad),
     )
 
@@ -99,13 +145,15 @@ def _compact_tile(slot_ptr, s_j, keep, h, KV_HEADS: tl.constexpr, HEAD_DIM: tl.c
 
 @triton.jit
 def _compact_gather_kernel(
-    k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, pos_ptr, tmp_pos_ptr, keep,
-    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj, s_pos_slot, s_pos_h,
+    k_ptr, v_ptr, src_ptr, tmp_k_ptr, tmp_v_ptr, pos_ptr, tmp_pos_ptr, ks_ptr, vs_ptr, tmp_ks_ptr, tmp_vs_ptr,
+    keep, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_sh, s_sj, s_pos_slot, s_pos_h,
+    s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous); with
-    HAS_POSITIONS, each one's token position -> tmp_pos[j, h]."""
+    HAS_POSITIONS, each one's token position -> tmp_pos[j, h]; with HAS_SCALES (an fp8 cache), its
+    K and V scales -> tmp_ks[j, h], tmp_vs[j, h]."""
     h = tl.program_id(1)
     j, slot, ok, blk, off, d, mask, tmp = _compact_tile(src_ptr + h * s_sh, s_sj, keep, h,
                                                         KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
@@ -116,19 +164,26 @@ def _compact_gather_kernel(
     if HAS_POSITIONS:
         pos = tl.load(pos_ptr + slot * s_pos_slot + h * s_pos_h, mask=ok)
         tl.store(tmp_pos_ptr + j.to(tl.int64) * KV_HEADS + h, pos, mask=ok)
+    if HAS_SCALES:
+        ks = tl.load(ks_ptr + blk * s_ksb + off * s_kso + h * s_ksh, mask=ok)
+        tl.store(tmp_ks_ptr + j.to(tl.int64) * KV_HEADS + h, ks, mask=ok)
+        vs = tl.load(vs_ptr + blk * s_vsb + off * s_vso + h * s_vsh, mask=ok)
+        tl.store(tmp_vs_ptr + j.to(tl.int64) * KV_HEADS + h, vs, mask=ok)
 
 
 @triton.jit
 def _compact_scatter_kernel(
     k_ptr, v_ptr, dst_ptr, tmp_k_ptr, tmp_v_ptr, score_ptr, kept_ptr, pos_ptr, tmp_pos_ptr, choice_ptr,
-    kept_choice_ptr, keep,
+    kept_choice_ptr, ks_ptr, vs_ptr, tmp_ks_ptr, tmp_vs_ptr, keep,
     s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_dj, s_sc_slot, s_sc_h, s_kp_h, s_kp_j,
-    s_pos_slot, s_pos_h, s_ch_slot, s_ch_h, s_kc_h, s_kc_j,
+    s_pos_slot, s_pos_h, s_ch_slot, s_ch_h, s_kc_h, s_kc_j, s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SCORES: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_CHOICES: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     """tmp[j, h, :] -> slot dst[j] of head h; the kept score of (h, j) into the score cache; with
-    HAS_POSITIONS the gathered position, with HAS_CHOICES the score it was ranked by, into theirs."""
+    HAS_POSITIONS the gathered position, with HAS_CHOICES the score it was ranked by, with
+    HAS_SCALES the gathered K and V scales, into theirs."""
     h = tl.program_id(1)
     j, dst, ok, blk, off, d, mask, tmp = _compact_tile(dst_ptr, s_dj, keep, h,
                                                        KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_K)
@@ -145,16 +200,22 @@ def _compact_scatter_kernel(
     if HAS_CHOICES:
         ch = tl.load(kept_choice_ptr + h * s_kc_h + j.to(tl.int64) * s_kc_j, mask=ok)
         tl.store(choice_ptr + dst * s_ch_slot + h * s_ch_h, ch.to(choice_ptr.dtype.element_ty), mask=ok)
+    if HAS_SCALES:
+        ks = tl.load(tmp_ks_ptr + j.to(tl.int64) * KV_HEADS + h, mask=ok)
+        tl.store(ks_ptr + blk * s_ksb + off * s_kso + h * s_ksh, ks, mask=ok)
+        vs = tl.load(tmp_vs_ptr + j.to(tl.int64) * KV_HEADS + h, mask=ok)
+        tl.store(vs_ptr + blk * s_vsb + off * s_vso + h * s_vsh, vs, mask=ok)
 
 
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                src_slots: torch.Tensor, dst_slots: torch.Tensor, kept_scores: torch.Tensor | None,
                position_cache: torch.Tensor | None = None, choice_cache: torch.Tensor | None = None,
-               kept_choices: torch.Tensor | None = None) -> None:
+               kept_choices: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> None:
     """Move the kept entries of every KV head into the target slots (see kernels.reference), and
-    their positions and ranking scores with them when those tables are given. Sources may overlap
-    targets: the first launch gathers every kept entry into a buffer, the second (ordered after it
-    on the stream) scatters them."""
+    their positions and ranking scores with them when those tables are given, and in an fp8 cache
+    their scales (codes and scales move as they are). Sources may overlap targets: the first launch
+    gathers every kept entry into a buffer, the second (ordered after it on the stream) scatters them."""
     kv_heads, keep = src_slots.shape
     if keep == 0:
         return
@@ -167,13 +228,20 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
                if has_positions else tmp_k)
     pos_arg = position_cache if has_positions else tmp_k
     pos_strides = position_cache.stride() if has_positions else (0, 0)
+    has_scales = fp8_cache(k_scales, v_scales)
+    if has_scales:
+        tmp_ks, tmp_vs = torch.empty((2, keep, kv_heads), dtype=k_scales.dtype, device=k_scales.device)
+        scale_args = (k_scales, v_scales, tmp_ks, tmp_vs)
+        scale_strides = (*k_scales.stride(), *v_scales.stride())
+    else:
+        scale_args, scale_strides = (tmp_k,) * 4, (0,) * 6
     block_k = 64 if d_pad <= 128 else 32
     grid = (triton.cdiv(keep, block_k), kv_heads)
     _compact_gather_kernel[grid](
-        k_cache, v_cache, src_slots, tmp_k, tmp_v, pos_arg, tmp_pos, keep,
-        *k_cache.stride(), *v_cache.stride(), *src_slots.stride(), *pos_strides,
+        k_cache, v_cache, src_slots, tmp_k, tmp_v, pos_arg, tmp_pos, *scale_args, keep,
+        *k_cache.stride(), *v_cache.stride(), *src_slots.stride(), *pos_strides, *scale_strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
-        HAS_POSITIONS=has_positions, num_warps=4,
+        HAS_POSITIONS=has_positions, HAS_SCALES=has_scales, num_warps=4,
     )
     has_scores = score_cache is not None and kept_scores is not None
     score_arg = score_cache if has_scores else tmp_k
@@ -187,9 +255,10 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     kc_strides = kept_choices.stride() if has_choices else (0, 0)
     _compact_scatter_kernel[grid](
         k_cache, v_cache, dst_slots, tmp_k, tmp_v, score_arg, kept_arg, pos_arg, tmp_pos, choice_arg,
-        kept_choice_arg, keep,
+        kept_choice_arg, *scale_args, keep,
         *k_cache.stride(), *v_cache.stride(), dst_slots.stride(0), *sc_strides, *kp_strides, *pos_strides,
-        *ch_strides, *kc_strides,
+        *ch_strides, *kc_strides, *scale_strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_K=block_k,
-        HAS_SCORES=has_scores, HAS_POSITIONS=has_positions, HAS_CHOICES=has_choices, num_warps=4,
+        HAS_SCORES=has_scores, HAS_POSITIONS=has_positions, HAS_CHOICES=has_choices, HAS_SCALES=has_scales,
+        num_warps=4,
     )

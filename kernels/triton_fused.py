@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from zipage.kernels.triton_attention import next_pow2
+from zipage.kernels.triton_cache import fp8_cache, fp8_codes, fp8_scale
 
 
 def _row_warps(width: int) -> int:
@@ -98,15 +99,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _quantize_head(x1, x2, scale_ptr):
+    """One head given as its two halves (float32), quantized as one row: the amax spans both
+    halves, so they share a scale (stored at scale_ptr). Returns the halves' fp8_codes."""
+    scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0)))
+    tl.store(scale_ptr, scale)
+    return fp8_codes(x1, scale), fp8_codes(x2, scale)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
-    k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, qc_ptr, qslot_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, qc_ptr, qslot_ptr, ks_ptr, vs_ptr,
     s_t, s_cos, s_sin, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_qt, s_qh, s_qcr, s_qch,
+    s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head when h < Q_HEADS, else a key head whose value
-    head it also stores. The head is read as two halves, the pairs RoPE rotates together."""
+    head it also stores. The head is read as two halves, the pairs RoPE rotates together. With
+    QUANT (an fp8 cache) K and V are quantized per head and their scales stored beside them."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -147,6 +159,8 @@ def _qk_norm_rope_store_kernel(
             kh = h - Q_HEADS
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
+            if QUANT:  # masked lanes (head_dim / 2 not a power of 2) are 0: they leave the amax alone
+                y1, y2 = _quantize_head(y1, y2, ks_ptr + blk * s_ksb + off * s_kso + kh * s_ksh)
             kdst = k_cache_ptr + blk * s_kb + off * s_ko + kh * s_kh
             tl.store(kdst + d, y1.to(k_cache_ptr.dtype.element_ty), mask=dm)
             tl.store(kdst + half + d, y2.to(k_cache_ptr.dtype.element_ty), mask=dm)
@@ -154,6 +168,9 @@ def _qk_norm_rope_store_kernel(
             vdst = v_cache_ptr + blk * s_vb + off * s_vo + kh * s_vh
             v1 = tl.load(vrow + d, mask=dm, other=0.0)
             v2 = tl.load(vrow + half + d, mask=dm, other=0.0)
+            if QUANT:
+                v1, v2 = _quantize_head(v1.to(tl.float32), v2.to(tl.float32),
+                                        vs_ptr + blk * s_vsb + off * s_vso + kh * s_vsh)
             tl.store(vdst + d, v1.to(v_cache_ptr.dtype.element_ty), mask=dm)
             tl.store(vdst + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=dm)
 
@@ -161,7 +178,8 @@ def _qk_norm_rope_store_kernel(
 def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
+                       query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None,
+                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     tokens = qkv.shape[0]
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
@@ -175,12 +193,15 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     query_store = query_slot_mapping is not None
     qc = query_cache if query_store else q
     qc_strides = (query_cache.stride(0), query_cache.stride(1)) if query_store else (0, 0)
+    quant = fp8_cache(k_scales, v_scales)
+    scales = (k_scales, v_scales) if quant else (q, q)  # unused pointers without QUANT
+    scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6
     _qk_norm_rope_store_kernel[(tokens, q_heads + kv_heads)](
         qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, eps,
-        k_cache, v_cache, slot_mapping, q, qc, query_slot_mapping if query_store else slot_mapping,
+        k_cache, v_cache, slot_mapping, q, qc, query_slot_mapping if query_store else slot_mapping, *scales,
         qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q.stride(0), q.stride(1),
-        *qc_strides,
+        *qc_strides, *scale_strides,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
-        BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, num_warps=1,
+        BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, QUANT=quant, num_warps=1,
     )
     return q

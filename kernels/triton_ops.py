@@ -50,8 +50,8 @@ def unregister() -> None:
 def patch_interpreter_for_numpy2() -> bool:
     """Tests only (TRITON_INTERPRET=1): Triton 3.6's interpreter converts scalars to Python ints with
     int() on a one-element 1-d array, which NumPy >= 2.4 refuses, so dynamic loop bounds fail
-    (triton-lang/triton#9171). Re-patch the scalar conversion to take the element. Returns whether
-    the patch was applied; harmless to call twice, and never needed on a GPU."""
+    (triton-lang/triton#9171). Re-patch the scalar conversion to take the element, and the fp8 cast
+    (below). Returns whether the patch was applied; harmless to call twice, never needed on a GPU."""
     try:
         from triton.runtime import interpreter
     except Exception:
@@ -66,7 +66,35 @@ def patch_interpreter_for_numpy2() -> bool:
 
     patched._zipage_patched = True
     interpreter._patch_lang_tensor = patched
+    _patch_interpreter_fp8_cast(interpreter)
     return True
+
+
+def _patch_interpreter_fp8_cast(interpreter) -> None:
+    """Triton 3.7's interpreter converts float32 to fp8 (interpreter._convert_float) rounding ties
+    away from zero and losing the carry when rounding overflows the mantissa (7.94 -> 4:
+    triton-lang/triton#8322, #11897). That one cast goes through torch instead, which rounds to
+    nearest even; clamping first mirrors the GPU's saturating cvt.rn.satfinite.e4m3x2.f32."""
+    import numpy as np
+    import triton.language as tl
+    from triton._C.libtriton import ir
+
+    from zipage.kernels.reference import FP8_MAX
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+    if getattr(original, "_zipage_patched", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if (dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32
+                and rounding_mode == ir.ROUNDING_MODE.RTNE):
+            x = torch.from_numpy(np.array(src.data, dtype=np.float32))
+            codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(codes.reshape(np.shape(src.data)), dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._zipage_patched = True
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 REGISTERED = register()

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zipage.kernels.triton_attention import LOG2E, dot_precision, next_pow2, softmax_fold
+from zipage.kernels.triton_attention import LOG2E, cache_args, codes_and_scales, dot_precision, next_pow2, softmax_fold
 
 WINDOW_SPLIT = 512  # keys per program of the window-score statistics pass
 ELEMENTWISE_BLOCK = 1024
@@ -19,9 +19,12 @@ ELEMENTWISE_BLOCK = 1024
 
 
 @triton.jit
-def _load_keys_1d_table(k_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width,
-                        s_t, s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE: tl.constexpr):
-    """Keys of logical positions t of one sequence (1-D block table) -> ([len(t), D_PAD], valid)."""
+def _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width, scale_log2,
+                        s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h, q_dtype: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """Keys of logical positions t of one sequence (1-D block table) -> ([len(t), D_PAD], valid, the
+    factor of their logits q @ k^T: scale_log2, times each key's scale ([1, len(t)]) in an fp8 cache,
+    whose codes come as q_dtype)."""
     col = t // BLOCK_SIZE
     blk = tl.load(table_ptr + col * s_t, mask=t_ok & (col < table_width), other=-1).to(tl.int64)
     ok = t_ok & (blk >= 0)
@@ -29,17 +32,21 @@ def _load_keys_1d_table(k_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width,
     off = t % BLOCK_SIZE
     k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + kvh * s_kh + d[None, :] * s_kd,
                 mask=ok[:, None] & d_ok[None, :], other=0.0)
-    return k, ok
+    logit_scale = scale_log2
+    if FP8:
+        k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, ok, ss_b, ss_o, ss_h, q_dtype)
+        logit_scale = (k_scales * scale_log2)[None, :]
+    return k, ok, logit_scale
 
 
 @triton.jit
 def _window_stats_kernel(
-    q_ptr, k_ptr, table_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, ks_ptr, table_ptr, m_ptr, l_ptr,
     kv_len, scale_log2, table_width, num_splits,
-    s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd,
+    s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h,
     W: tl.constexpr, W_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    R: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    R: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
 ):
     """Softmax row statistics (base-2 max and sum) of every (query head, window query) of one kv
     head over one split of the keys. Rows r = g * W_PAD + i."""
@@ -53,7 +60,8 @@ def _window_stats_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + i[:, None] * s_qw + (kvh * GROUP + g)[:, None] * s_qh + d[None, :] * s_qd,
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+        q = q.to(k_ptr.dtype.element_ty)
     q_pos = kv_len - W + i
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
@@ -61,9 +69,10 @@ def _window_stats_kernel(
     end = tl.minimum(start + SPLIT, kv_len)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        k, ok = _load_keys_1d_table(k_ptr, table_ptr, kvh, t, t < end, d, d_ok, table_width,
-                                    s_t, s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        k, ok, logit_scale = _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t < end, d, d_ok,
+                                                 table_width, scale_log2, s_t, s_kb, s_ko, s_kh, s_kd,
+                                                 ss_b, ss_o, ss_h, q_ptr.dtype.element_ty, BLOCK_SIZE, FP8)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
         s = tl.where(ok[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_i, l_i, _, _ = softmax_fold(s, m_i, l_i)
     out = (kvh * num_splits + sp) * R + r
@@ -73,12 +82,12 @@ def _window_stats_kernel(
 
 @triton.jit
 def _window_scores_kernel(
-    q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, out_ptr,
+    q_ptr, k_ptr, ks_ptr, table_ptr, m_ptr, l_ptr, out_ptr,
     kv_len, scale_log2, table_width, num_splits,
-    s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd, s_oh, s_ot,
+    s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h, s_oh, s_ot,
     W: tl.constexpr, W_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    R: tl.constexpr, NS_PAD: tl.constexpr, PREC: tl.constexpr,
+    R: tl.constexpr, NS_PAD: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
 ):
     """One (kv head, key tile): normalised probabilities of every window query of every head of the
     group, max over the group's heads, mean over the window."""
@@ -87,8 +96,9 @@ def _window_scores_kernel(
     t_ok = t < kv_len
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    k, ok = _load_keys_1d_table(k_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width,
-                                s_t, s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE)
+    k, ok, logit_scale = _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width,
+                                             scale_log2, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h,
+                                             q_ptr.dtype.element_ty, BLOCK_SIZE, FP8)
     i = tl.arange(0, W_PAD)
     i_ok = i < W
     q_pos = kv_len - W + i
@@ -98,7 +108,7 @@ def _window_scores_kernel(
     best = tl.zeros([W_PAD, BLOCK_N], tl.float32)
     for g in tl.static_range(GROUP):
         q = tl.load(q_ptr + i[:, None] * s_qw + (kvh * GROUP + g) * s_qh + d[None, :] * s_qd,
-                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(k_ptr.dtype.element_ty)
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(k.dtype)  # fp8: k is in q's dtype
         stat = (kvh * num_splits + sp)[:, None] * R + g * W_PAD + i[None, :]  # [NS_PAD, W_PAD]
         m_part = tl.load(m_ptr + stat, mask=sp_ok[:, None], other=float("-inf"))
         l_part = tl.load(l_ptr + stat, mask=sp_ok[:, None], other=0.0)
@@ -106,7 +116,7 @@ def _window_scores_kernel(
         m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
         l_row = tl.sum(l_part * tl.exp2(m_part - m_row[None, :]), axis=0)
         l_row = tl.where(l_row > 0, l_row, 1.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
         p = tl.exp2(s - m_row[:, None]) / l_row[:, None]
         best = tl.maximum(best, tl.where(allowed, p, 0.0))
     score = tl.sum(best, axis=0) / W
@@ -114,7 +124,7 @@ def _window_scores_kernel(
 
 
 def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           kv_len: int, scale: float) -> torch.Tensor:
+                           kv_len: int, scale: float, k_scales: torch.Tensor | None = None) -> torch.Tensor:
     """How much the last w queries attend to each cached key: float32 [kv_heads, kv_len]."""
     w, q_heads, head_dim = window_queries.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -131,20 +141,21 @@ def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, 
     rows = g_pad * w_pad
     m_buf = torch.empty((kv_heads, num_splits, rows), dtype=torch.float32, device=device)
     l_buf = torch.empty_like(m_buf)
+    ks, ss_b, ss_o, ss_h, fp8, prec = cache_args(window_queries, k_cache, k_scales)
     common = dict(W=w, W_PAD=w_pad, GROUP=group, G_PAD=g_pad, R=rows, HEAD_DIM=head_dim, D_PAD=d_pad,
-                  BLOCK_SIZE=block_size, BLOCK_N=block_n, PREC=dot_precision(k_cache.dtype))
+                  BLOCK_SIZE=block_size, BLOCK_N=block_n, PREC=prec, FP8=fp8)
     table = block_table.reshape(-1)
     scale_log2 = float(scale) * LOG2E
     _window_stats_kernel[(kv_heads, num_splits)](
-        window_queries, k_cache, table, m_buf, l_buf,
+        window_queries, k_cache, ks, table, m_buf, l_buf,
         kv_len, scale_log2, table.numel(), num_splits,
-        *window_queries.stride(), table.stride(0), *k_cache.stride(),
+        *window_queries.stride(), table.stride(0), *k_cache.stride(), ss_b, ss_o, ss_h,
         SPLIT=WINDOW_SPLIT, num_warps=8 if rows >= 128 else 4, **common,
     )
     _window_scores_kernel[(kv_heads, triton.cdiv(kv_len, block_n))](
-        window_queries, k_cache, table, m_buf, l_buf, out,
+        window_queries, k_cache, ks, table, m_buf, l_buf, out,
         kv_len, scale_log2, table.numel(), num_splits,
-        *window_queries.stride(), table.stride(0), *k_cache.stride(), *out.stride(),
+        *window_queries.stride(), table.stride(0), *k_cache.stride(), ss_b, ss_o, ss_h, *out.stride(),
         NS_PAD=max(2, next_pow2(num_splits)), num_warps=4, **common,
     )
     return out

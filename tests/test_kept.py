@@ -48,33 +48,42 @@ def engine_on(**knobs):
 
 class KeyRecord:
     """Every key a request's cache was written with, by token position (what the cache held right after
-    each step wrote it), found through the block table and KV length alone."""
+    each step wrote it), found through the block table and KV length alone. In an fp8 cache a key is
+    its codes and its K and V scales: compaction moves all three and never re-quantizes."""
 
     def __init__(self, engine, seq):
         self.engine, self.seq = engine, seq
-        self.keys: dict[int, torch.Tensor] = {}  # position -> [layers, kv_heads, head_dim]
+        self.keys: dict[int, tuple[torch.Tensor, ...]] = {}  # position -> ([layers, kv_heads, head_dim], ...)
         self.seen = 0
+
+    def _read(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[layers, len(slots), kv_heads, head_dim] keys, and in fp8 [layers, 2, len(slots), kv_heads] scales."""
+        keys = read_kv(self.engine, slots)[:, 0].cpu()
+        scales = self.engine.runner.kv_scales
+        return (keys,) if scales is None else (keys, scales.flatten(2, 3)[:, :, slots].cpu())
 
     def after_step(self) -> None:
         seq = self.seq
         new = seq.num_computed_tokens - self.seen
         if new <= 0 or seq.is_finished:
             return
-        slots = slots_of(seq.block_table, range(seq.kv_len - new, seq.kv_len), BS)
-        keys = read_kv(self.engine, slots)[:, 0].cpu()  # [layers, new, kv_heads, head_dim]
+        written = self._read(slots_of(seq.block_table, range(seq.kv_len - new, seq.kv_len), BS))
         for i, position in enumerate(range(self.seen, seq.num_computed_tokens)):
-            self.keys[position] = keys[:, i]
+            self.keys[position] = (written[0][:, i],) + tuple(t[:, :, i] for t in written[1:])
         self.seen = seq.num_computed_tokens
 
     def check(self, kept: KeptMap) -> None:
         """The key the cache holds at each entry is the one written at the position the map names."""
         seq = self.seq
-        cache = read_kv(self.engine, slots_of(seq.block_table, range(seq.kv_len), BS))[:, 0].cpu()
+        held = self._read(slots_of(seq.block_table, range(seq.kv_len), BS))
         for layer, heads in enumerate(kept.positions):
             for head, positions in enumerate(heads):
                 assert len(positions) == seq.kv_len
-                expected = torch.stack([self.keys[p][layer, head] for p in positions])
-                assert torch.equal(cache[layer, :, head], expected), (layer, head)
+                expected = torch.stack([self.keys[p][0][layer, head] for p in positions])
+                assert torch.equal(held[0][layer, :, head], expected), (layer, head)
+                if len(held) > 1:  # fp8: each entry's K and V scales came with it
+                    scales = torch.stack([self.keys[p][1][layer, :, head] for p in positions], dim=1)
+                    assert torch.equal(held[1][layer, :, :, head], scales), (layer, head)
 
 
 def step_until(engine, condition, records=(), max_steps: int = 2000) -> None:
@@ -235,7 +244,8 @@ def test_after_compression_each_head_holds_its_budget_and_the_right_keys(case):
 
 
 def test_positions_follow_the_entries_through_many_compressions_and_baselines():
-    for knobs in (dict(num_sink_tokens=1), dict(eviction="recent", num_sink_tokens=2), dict(eviction="random")):
+    for knobs in (dict(num_sink_tokens=1), dict(eviction="recent", num_sink_tokens=2), dict(eviction="random"),
+                  dict(kv_cache_dtype="fp8")):
         engine = engine_on(**knobs)
         try:
             seqs = [engine.add_request(prompt(n, seed=n), greedy(150)) for n in (9, 30)]

@@ -30,16 +30,17 @@ def alone(model_path, prompt, max_tokens, **knobs) -> list[int]:
         engine.close()
 
 
-@pytest.mark.parametrize("budget,a_suffix,a_tokens", [
-    (2, 10, 20),   # A's prompt (90 tokens) is over the budget: compressed right after its prefill
-    (4, 10, 20),
-    (8, 2, 80),    # A's prompt fits; A is compressed during decode, several times
+@pytest.mark.parametrize("budget,a_suffix,a_tokens,kv_dtype", [
+    (2, 10, 20, "auto"),   # A's prompt (90 tokens) is over the budget: compressed right after its prefill
+    (4, 10, 20, "auto"),
+    (8, 2, 80, "auto"),    # A's prompt fits; A is compressed during decode, several times
+    (8, 2, 80, "fp8"),     # a cached fp8 block keeps its scales
 ])
-def test_a_later_request_is_served_the_prefix_of_a_compressed_one(model_path, budget, a_suffix, a_tokens):
+def test_a_later_request_is_served_the_prefix_of_a_compressed_one(model_path, budget, a_suffix, a_tokens, kv_dtype):
     prefix = random_prompts(1, [5 * BS], seed=budget)[0]
     a_prompt = prefix + random_prompts(1, [a_suffix], seed=100 + budget)[0]
     b_prompt = prefix + random_prompts(1, [12], seed=200 + budget)[0]
-    knobs = dict(max_cache_blocks_per_seq=budget, window=W, num_kv_blocks=64)
+    knobs = dict(max_cache_blocks_per_seq=budget, window=W, num_kv_blocks=64, kv_cache_dtype=kv_dtype)
     engine = make_engine(model_path, **knobs)
     try:
         a = engine.add_request(a_prompt, greedy(a_tokens))

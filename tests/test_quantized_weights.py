@@ -5,6 +5,8 @@ the fallback for a type no kernel runs, and the refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +14,9 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
-from zipage.engine.execution.models.quantized import Int4Weight, QuantizedEmbedding
+from zipage.engine.execution.models.quantized import Int4Weight, QuantizedEmbedding, QuantizedWeights, pack_int4
 from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors, tensor_index
-from zipage.engine.loading.loader import ModelSource, cpu_weight_forms
+from zipage.engine.loading.loader import ModelSource, _converted_dir, cpu_weight_forms
 from zipage.engine.loading.model_registry import RANDOM_PRESETS, byte_tokenizer
 
 
@@ -53,7 +55,7 @@ def test_the_int4_product_equals_the_dequantized_matmul(qtype, tokens):
     tensor = quantized(weights(80, 512, seed=2), qtype)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(3))
     want = x @ tensor.dequantize().T
-    got = Int4Weight(tensor.groups())(x)
+    got = Int4Weight(*pack_int4(tensor.groups()))(x)
     assert got.dtype == torch.float32 and got.shape == want.shape
     # bf16 activations, scales and outputs: well under 1% of the product's size
     assert (got - want).norm() / want.norm() < 1e-2
@@ -81,6 +83,12 @@ def test_llama_q_and_k_rows_are_put_back_as_transformers_does():
 
 # ------------------------------------------------------------------------------------------
 # A tiny model as a real GGUF file
+
+
+@pytest.fixture(autouse=True)
+def _cache_of_their_own(tmp_path, monkeypatch):
+    """The quantized forms are cached beside a GGUF's converted copy: these files' go to a temp cache."""
+    monkeypatch.setenv("ZIPAGE_CACHE", str(tmp_path / "zipage-cache"))
 
 
 def gguf_names(config) -> dict[str, tuple[int, int] | int]:
@@ -198,6 +206,50 @@ def test_a_type_no_kernel_runs_is_dequantized_and_said_so(capsys):
     prompt = list(range(30))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
     assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=1e-4)
+
+
+def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:
+    out = finished(core, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
+    return out.token_ids, [p.logprob for p in out.logprobs]
+
+
+def int4_cache(source: ModelSource) -> Path:
+    (file,) = _converted_dir(Path(source.path)).glob("int4-*.safetensors")
+    return file
+
+
+def test_the_quantized_forms_are_cached_and_run_exactly_as_freshly_packed(monkeypatch):
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    source = gguf_source(config, write_gguf(config, "Q4_1", seed=12))
+    prompt = list(range(40, 60))  # its prefill runs the float copies, its decode steps the int4 forms
+    fresh = engine(source, "auto")
+    want, report = greedy_run(fresh, prompt), fresh.runner.model.weight_report.forms
+    assert int4_cache(source).stat().st_size > 0
+
+    def no_decoding(planned):
+        raise AssertionError("the quantized forms were decoded again instead of read from the cache")
+
+    monkeypatch.setattr(QuantizedWeights, "forms", staticmethod(no_decoding))
+    cached = engine(source, "auto")
+    assert cached.runner.model.weight_report.forms == report
+    assert greedy_run(cached, prompt) == want  # same tokens, same log-probabilities
+
+
+def test_a_damaged_cache_of_quantized_forms_is_rebuilt(monkeypatch):
+    config = RANDOM_PRESETS["qwen3-tiny"].make_config()
+    source = gguf_source(config, write_gguf(config, "Q4_0", seed=13, embedding="Q4_0"))
+    prompt = list(range(10, 30))
+    want = greedy_run(engine(source, "auto"), prompt)
+    file = int4_cache(source)
+    whole = file.read_bytes()
+    builds = []
+    forms = QuantizedWeights.forms
+    monkeypatch.setattr(QuantizedWeights, "forms", staticmethod(lambda planned: builds.append(1) or forms(planned)))
+    for damage in (whole[:len(whole) // 2], b"", b"not safetensors at all"):
+        file.write_bytes(damage)  # a cut file, an empty one, garbage
+        assert greedy_run(engine(source, "auto"), prompt) == want
+        assert file.read_bytes() == whole  # written again, whole
+    assert len(builds) == 3
 
 
 def test_the_listing_says_what_a_gguf_runs_as():

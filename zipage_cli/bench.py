@@ -243,7 +243,7 @@ class EngineRunner:
                 peak = max(peak, len(engine.scheduler.running))
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                "peak_concurrency": peak, "device": str(engine.runner.device),
+                "peak_concurrency": peak, "device": engine.device_label,
                 **{k: engine.totals[k] - counts[k] for k in COUNTS}}
 
     def close(self) -> None:
@@ -335,13 +335,19 @@ class HFRunner:
     whole run ends: `generate_batch` returns everything at once."""
 
     def __init__(self, config: EngineConfig):
+        from zipage.engine.execution.cpu_threads import use_cpu_threads
+
         self.config = config
+        if _device_type(config) == "cpu":  # the threads an engine would run
+            use_cpu_threads(config.cpu_threads)
         self.model = hf_model(config)
 
     def __call__(self, prompts: list[list[int]], output_len: int, report: Callable[[int], None]) -> dict:
         import torch
 
         from transformers import GenerationConfig
+
+        from zipage.engine.execution.cpu_threads import device_label
 
         model = self.model
         generation = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
@@ -360,4 +366,4 @@ class HFRunner:
                                f"{len(prompts) - len(outputs) + len(failed)} requests: {failed[:1]} "
                                "(a smaller pool, --num-kv-blocks or --kv-cache-gb, may fit)")
         return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                "peak_concurrency": None, "device": str(model.device)}
+                "peak_concurrency": None, "device": device_label(model.device)}

@@ -569,7 +569,7 @@ def serve(
                          shutdown_grace_s=shutdown_timeout, stall_s=stall_timeout)
     engine = _load_engine(interactive(engine_kwargs), _engine_process)
     try:
-        err.print(f"serving {engine.config.model} at http://{host}:{port}/v1")
+        err.print(f"serving {engine.config.model} on {engine.first_snapshot.device} at http://{host}:{port}/v1")
         run_server(engine, host, port, api_key, log_level, limits)
     finally:
         engine.close()

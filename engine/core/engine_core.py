@@ -26,6 +26,7 @@ from zipage.engine.events import (ROLE_DECODE, ROLE_PRIVATE, ROLE_REUSED, ROLE_S
                                   Prefilled, RequestInfo, ThroughputMeter)
 from zipage.engine.loading.loader import ModelSource, resolve_model
 from zipage.engine.loading.prompts import PromptReader
+from zipage.engine.execution.cpu_threads import device_label, use_cpu_threads
 from zipage.engine.execution.model_runner import LaunchedStep, ModelRunner, resolve_device
 from zipage.engine.execution.models.parallel import TensorParallel, check_tensor_parallel
 from zipage.engine.execution.tp_workers import TensorParallelWorkers
@@ -52,6 +53,10 @@ class EngineCore:
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len={config.max_model_len}: the model supports at most {model_limit}")
         self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_limit)
+        # Chosen before the weights load (loading runs on them too) and before tensor-parallel ranks
+        # start: each takes rank 0's count.
+        self.cpu_threads = (use_cpu_threads(config.cpu_threads, config.tensor_parallel_size)
+                            if device.type == "cpu" else None)
 
         self.tp_workers = None
         tp = TensorParallel()
@@ -530,11 +535,16 @@ class EngineCore:
                         query_slots_total=self.scheduler.num_query_slots,
                         query_slots_used=self.scheduler.slots_used)
         return EngineSnapshot(
-            time=time.time(), step=self.step_count, model=self.source.name, device=str(self.runner.device),
+            time=time.time(), step=self.step_count, model=self.source.name, device=self.device_label,
             compression=self.config.compression, requests=tuple(infos), pool=pool, memory=self._memory(),
             throughput=self.meter.rates(now), events=tuple(list(self.events)[-max_events:]),
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), totals=dict(self.totals),
             latency=self.latency.summary(self.has_work()))
+
+    @property
+    def device_label(self) -> str:
+        """The device as reported: "cpu · 2 threads", "cuda:0"."""
+        return device_label(self.runner.device, self.cpu_threads.count if self.cpu_threads else None)
 
     def kept(self, request_id: int) -> KeptMap:
         """Which token positions a live request's KV cache still holds, per layer and KV head, and why
@@ -577,7 +587,7 @@ class EngineCore:
         else:
             used, total = _process_rss(), _total_ram()
         return MemoryInfo(kv=self.runner.kv_bytes, weights=self.runner.weight_bytes, device_used=used,
-                          device_total=total)
+                          device_total=total, kv_dtype=self.runner.kv_dtype_name)
 
     def check_invariants(self) -> None:
         """Exact pool accounting and the compression bound (used by tests after every step)."""

@@ -1,3 +1,3 @@
 """Execution: the model and its KV cache on a device, batch tensors, CUDA graphs, sampling,
-log-probabilities, and the tensor-parallel ranks. Imports: `scheduling` (the batch it runs), `kv`, `loading`, `zipage.kernels`.
+log-probabilities, the tensor-parallel ranks and the CPU's threads. Imports: `scheduling` (the batch it runs), `kv`, `loading`, `zipage.kernels`.
 """

@@ -15,8 +15,9 @@ from zipage.engine.loading.loader import ModelSource
 from zipage.engine.kv.geometry import CompressionGeometry
 from zipage.engine.execution.cuda_graphs import DecodeGraphs
 from zipage.engine.execution.models import CausalLM, ForwardBatch, head_dim_of
+from zipage.engine.execution.models.decoder import map_name  # HF name -> parameter, part
 from zipage.engine.execution.models.parallel import TensorParallel
-from zipage.engine.execution.models.quantized import report_weights
+from zipage.engine.execution.models.quantized import install_quantized, report_weights
 from zipage.engine.execution.grammar_masks import fill_bitmasks
 from zipage.engine.execution.sampler import Sampler, upload
 from zipage.engine.execution.token_logprobs import PROMPT_ROWS_AT_ONCE, PromptScoring, reduce_rows, to_host, unpack_rows
@@ -81,10 +82,12 @@ def keeps_quantized(config: EngineConfig, device: torch.device, source: ModelSou
 
 
 def _load_weights(model: CausalLM, source: ModelSource, quantized: bool = False) -> None:
-    """The source's weights into the model; a weight that is missing, misshapen or corrupt names the
-    model file or folder it came from."""
+    """The source's weights into the model, then with `quantized` a GGUF's quantized forms (cached);
+    a weight that is missing, misshapen or corrupt names the model file or folder it came from."""
     try:
-        model.load_weights(source.load_weights(quantized))
+        model.load_weights(source.load_weights())
+        if quantized:
+            model.weight_report = install_quantized(model, source, map_name)
     except ValueError as e:
         raise ValueError(f"model {source.path!r}: {e}") from None
 
@@ -101,6 +104,10 @@ class ModelRunner:
         self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, config.weight_dtype)
+        # K and V as stored: the model's dtype, or float8 codes with a float32 scale per entry and
+        # KV head (docs/design-notes.md, "KV in 8 bits").
+        self.kv_fp8 = config.kv_cache_dtype == "fp8"
+        self.kv_dtype = torch.float8_e4m3fn if self.kv_fp8 else self.dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         hf = source.hf_config
@@ -140,8 +147,7 @@ class ModelRunner:
         # Every rank holds the same blocks and slots: the fewest any of them has room for.
         self.num_blocks, self.num_query_slots = tp.min_over_ranks(list(self._size_pool()))
         self._allocate_pool()
-        for i, attn in enumerate(self.model.attention_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self._bind_cache(self.kv_cache, self.kv_scales)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         # Graph capture needs kernels that never sync with the host: the Triton ones.
@@ -183,11 +189,18 @@ class ModelRunner:
     # -- memory ------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, plus under compression its score cache and
-        each entry's position and ranking score (docs/design-notes.md, "What a request still holds")."""
-        elem = torch.finfo(self.dtype).bits // 8
-        per_token = 2 * self.num_kv_heads * self.head_dim * elem + (12 * self.num_kv_heads if self.compression else 0)
+        """Bytes of one block across all layers: K and V (and their scales in fp8), plus under
+        compression its score cache and each entry's position and ranking score (docs/design-notes.md,
+        "What a request still holds")."""
+        elem = torch.finfo(self.kv_dtype).bits // 8
+        per_entry = self.head_dim * elem + (4 if self.kv_fp8 else 0)  # a float32 scale per entry and head
+        per_token = 2 * self.num_kv_heads * per_entry + (12 * self.num_kv_heads if self.compression else 0)
         return self.num_layers * self.block_size * per_token
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """How K and V are stored, in short: fp8, bf16, fp16 or fp32."""
+        return {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.kv_dtype, "fp32")
 
     @property
     def query_slot_bytes(self) -> int:
@@ -197,8 +210,32 @@ class ModelRunner:
     @property
     def kv_bytes(self) -> int:
         """Bytes of everything the pool holds: KV blocks, score cache, positions and query slots."""
-        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query_cache, self.score_cache,
-                                                           self.position_cache, self.choice_cache))
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales, self.query_cache,
+                                                           self.score_cache, self.position_cache, self.choice_cache)
+                   if t is not None)
+
+    def _new_cache(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K/V blocks [layers, 2, blocks, block_size, kv_heads, head_dim] in the cache dtype, and their
+        scales [layers, 2, blocks, block_size, kv_heads] when the cache is fp8 (None otherwise), stored
+        [.., kv_heads, block_size]: decode attention reads one head's scales of a block in one run."""
+        shape = (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if not self.kv_fp8:
+            return cache, None
+        scales = torch.ones((*shape[:3], self.num_kv_heads, self.block_size), dtype=torch.float32, device=self.device)
+        return cache, scales.transpose(-1, -2)
+
+    def _bind_cache(self, cache: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Point every attention layer at its K/V blocks (and scales)."""
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
+            attn.k_scales, attn.v_scales = (scales[i, 0], scales[i, 1]) if scales is not None else (None, None)
+
+    def layer_cache(self, layer: int) -> dict:
+        """One layer's K/V blocks and scales, as the kernels take them (k_cache, v_cache, k_scales, v_scales)."""
+        return {"k_cache": self.kv_cache[layer, 0], "v_cache": self.kv_cache[layer, 1],
+                "k_scales": self.kv_scales[layer, 0] if self.kv_scales is not None else None,
+                "v_scales": self.kv_scales[layer, 1] if self.kv_scales is not None else None}
 
     def _allocate_pool(self) -> None:
         """The KV blocks, and the compression state: queries of the observation window, each kept
@@ -206,10 +243,9 @@ class ModelRunner:
         kept (docs/design-notes.md, "What a request still holds"). A pool the device cannot hold (a
         num_kv_blocks or kv_cache_gb set too large) is a ValueError that says so, not an allocator error."""
         blocks, slots = self.num_blocks, self.num_query_slots
+        self.kv_scales = None
         try:
-            self.kv_cache = torch.zeros(
-                (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
-                dtype=self.dtype, device=self.device)
+            self.kv_cache, self.kv_scales = self._new_cache(blocks)
             self.query_cache = torch.zeros((self.num_layers, slots * self.window, self.num_heads, self.head_dim),
                                            dtype=self.dtype, device=self.device)
             entries = (self.num_layers, blocks * self.block_size if self.compression else 0, self.num_kv_heads)
@@ -217,7 +253,8 @@ class ModelRunner:
             self.position_cache = torch.zeros(entries, dtype=torch.int32, device=self.device)
             self.choice_cache = torch.zeros(entries, dtype=torch.float32, device=self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
-            self.kv_cache = self.query_cache = self.score_cache = self.position_cache = self.choice_cache = None
+            self.kv_cache = self.kv_scales = self.query_cache = self.score_cache = None
+            self.position_cache = self.choice_cache = None
             gib = (blocks * self.block_bytes + slots * self.query_slot_bytes) / (1 << 30)
             raise ValueError(f"the KV pool ({blocks} blocks, {gib:.3g} GiB) does not fit in {self.device.type} "
                              f"memory ({type(e).__name__} from the allocator); lower num_kv_blocks or "
@@ -228,6 +265,7 @@ class ModelRunner:
         not whenever the engine object is garbage-collected (a second engine sizes its pool then)."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.kv_cache = self.query_cache = self.score_cache = self.position_cache = self.choice_cache = empty
+        self.kv_scales = None
         self.graphs = None
         self.model = None
         self.weight_bytes = 0
@@ -270,10 +308,8 @@ class ModelRunner:
         """Run the largest prefill once on a throw-away cache and measure the activation peak."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
-        scratch = torch.zeros((self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim),
-                              dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers):
-            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        scratch, scratch_scales = self._new_cache(blocks)
+        self._bind_cache(scratch, scratch_scales)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -287,7 +323,7 @@ class ModelRunner:
         self.model.logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, hidden
+        del scratch, scratch_scales, hidden
         torch.cuda.empty_cache()
         return int(peak)
 

@@ -185,13 +185,14 @@ class Compressor:
         # Each entry's position moves with it, and each kept entry records the score that ranked it
         # (docs/design-notes.md, "What a request still holds").
         for layer in range(runner.num_layers):
-            k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+            cache = runner.layer_cache(layer)  # K/V blocks and, in fp8, their scales
+            k_cache, k_scales = cache["k_cache"], cache["k_scales"]
             tables = (runner.position_cache[layer], runner.choice_cache[layer])
             if cfg.eviction != "score":
-                self._compact_baseline(kv_len, k_cache, v_cache, token_slots, dst, kept, keep, tables)
+                self._compact_baseline(kv_len, cache, token_slots, dst, kept, keep, tables)
                 continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
-            attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale)
+            attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale, k_scales=k_scales)
             if cfg.enable_pooling and first:
                 attention = kernels.pool_scores(attention, cfg.pooling_kernel)
             if cfg.use_global_score:
@@ -199,13 +200,16 @@ class Compressor:
                 attention = kernels.global_score_merge(attention, previous, num_scored, cfg.global_decay)
             final = attention
             if cfg.use_redundancy:
-                keys = kernels.gather_kv(k_cache, table, kv_len).transpose(0, 1)
+                # fp8 keys come back as float32 values: in the model's dtype the similarity products
+                # run on tensor cores (float32 ones took 150x longer on the H200)
+                keys = kernels.gather_kv(k_cache, table, kv_len, k_scales).to(runner.dtype).transpose(0, 1)
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
             chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)  # [kv_heads, keep], ascending
-            kernels.compact_kv(k_cache, v_cache, runner.score_cache[layer], token_slots[chosen], dst,
-                               attention.gather(1, chosen), *tables, final.gather(1, chosen))
+            kernels.compact_kv(k_cache, cache["v_cache"], runner.score_cache[layer], token_slots[chosen], dst,
+                               attention.gather(1, chosen), *tables, final.gather(1, chosen),
+                               k_scales=k_scales, v_scales=cache["v_scales"])
 
     def _protect(self, final: torch.Tensor, kv_len: int, kept: torch.Tensor) -> torch.Tensor:
         """Entries a compression always keeps: kept = [leading, newest] counts (`protected`), read on
@@ -224,16 +228,18 @@ class Compressor:
         for first in (True, False):
             self.graphs[(self.geometry.budget_tokens, first)] = CompressionGraph(self, first)
 
-    def _compact_baseline(self, kv_len, k_cache, v_cache, token_slots, dst, kept, keep, tables) -> None:
+    def _compact_baseline(self, kv_len, cache, token_slots, dst, kept, keep, tables) -> None:
         """The comparison policies at the same budget: random eviction, or sinks + most recent.
-        `tables`: this layer's (position, choice) tables."""
+        `cache`: this layer's ModelRunner.layer_cache; `tables`: its (position, choice) tables."""
+        k_cache = cache["k_cache"]
         kv_heads = k_cache.shape[2]
         if self.config.eviction == "random":
             final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
             final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
         chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)
-        kernels.compact_kv(k_cache, v_cache, None, token_slots[chosen], dst, None, *tables, final.gather(1, chosen))
+        kernels.compact_kv(k_cache, cache["v_cache"], None, token_slots[chosen], dst, None, *tables,
+                           final.gather(1, chosen), k_scales=cache["k_scales"], v_scales=cache["v_scales"])
 
     # -- landing (engine thread) ---------------------------------------------------------
     def apply(self, job: CompressionJob) -> None:

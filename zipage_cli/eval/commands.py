@@ -26,7 +26,8 @@ SHARED = [
     ("block_size", int, 32, "Tokens per block."),
     ("window", int, 16, "Observation window."),
     ("device", str, "cpu", "cpu or cuda."),
-    ("threads", int, 1, "CPU threads for torch (1 is fastest on a busy shared CPU)."),
+    ("threads", int, None, "Intra-op CPU threads (default: chosen as the engine's --cpu-threads is: one per "
+                           "CPU that other jobs leave idle)."),
     ("json_path", str, None, "Write the results here as JSON, rewritten as each cell finishes."),
     ("trace", str, None, "Write into this folder, for each sample of each compressed run, an SVG of what its "
                          "KV cache held after each compression (one row per compression, colour = share of "
@@ -73,12 +74,14 @@ def quick_options(shared: dict, options: dict, quick: dict, defaults: dict) -> t
 
 def run_task(module, shared: dict, **task_options) -> None:
     """Parse the shared options, run the task with progress bars, print its table; bad options exit 2."""
-    import torch
+    from zipage.engine.execution.cpu_threads import use_cpu_threads
 
     try:
-        ec.check_count("threads", shared["threads"])
+        if shared["threads"] is not None:
+            ec.check_count("threads", shared["threads"])
         ec.check_trace_folder(shared["trace"])
-        torch.set_num_threads(shared["threads"])
+        if shared["device"] == "cpu":  # once for every engine of the run, as an engine chooses them
+            use_cpu_threads(shared["threads"])
         kwargs = dict(model=shared["model"], split=shared["split"], budgets=ec.parse_budgets(shared["budgets"]),
                       configurations=ec.parse_configurations(shared["configurations"]),
                       settings=ec.parse_settings(shared["settings"]), block_size=shared["block_size"],

@@ -179,6 +179,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scales: torch.Tensor | None = None  # an fp8 cache's scales (docs/design-notes.md, "KV in 8 bits")
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -189,25 +191,26 @@ class Attention(nn.Module):
         """Everything between the QKV and O projections: [tokens, q_size] from qkv [tokens, qkv width]."""
         tokens = qkv.shape[0]
         store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
+        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales} if self.k_scales is not None else {}
         q = kernels.qk_norm_rope_store(
             qkv, *cos_sin,
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
             batch.query_cache[self.layer_index] if store_queries else None,
-            batch.query_slot_mapping if store_queries else None)
+            batch.query_slot_mapping if store_queries else None, **scales)
         if batch.num_decode:  # a mixed step: decode attention for the decoders, prefill for the chunks
             nd = batch.num_decode
             out = torch.cat([
                 kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, batch.block_tables[:nd],
-                                               batch.context_lens[:nd], self.scale),
+                                               batch.context_lens[:nd], self.scale, **scales),
                 kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.chunk_block_tables,
-                                          batch.chunk_cu_seqlens, batch.chunk_context_lens, self.scale)])
+                                          batch.chunk_cu_seqlens, batch.chunk_context_lens, self.scale, **scales)])
         elif batch.is_prefill:
             out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
-                                            batch.cu_seqlens_q, batch.context_lens, self.scale)
+                                            batch.cu_seqlens_q, batch.context_lens, self.scale, **scales)
         else:
             out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
-                                                 batch.context_lens, self.scale)
+                                                 batch.context_lens, self.scale, **scales)
         return out.reshape(tokens, self.q_size)
 
 
@@ -399,7 +402,7 @@ class CausalLM(nn.Module):
                     _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name or target)
 
         for name, tensor in weights:
-            target, shard = _map_name(name)
+            target, shard = map_name(name)
             if target is None:
                 continue
             if self.tied and target == "lm_head.weight":
@@ -475,7 +478,7 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"weight {name!r} holds NaN or infinite values: the model file is corrupt")
 
 
-def _map_name(name: str) -> tuple[str | None, str | None]:
+def map_name(name: str) -> tuple[str | None, str | None]:
     """HF parameter name -> (our parameter name, shard of a fused layer or None)."""
     if "rotary_emb" in name:
         return None, None

@@ -9,8 +9,9 @@ A quantized embedding is looked up from its codes, one decoded row per token. Ev
 and Q8_0 in a matrix product, is dequantized to the model's dtype and runs as before: PyTorch's
 int8 kernel takes one scale per row, and requantizing Q8_0's per-32 scales to one per row moved
 the LM head's top-1 token on 3.4% of random states.
-`QuantizedWeights` collects a model's quantized tensors while it loads and installs them;
-`WeightReport` says what runs quantized and what was dequantized, and why.
+`install_quantized` gives a model loaded with its float weights the quantized forms, decoded and
+packed once and then cached beside the GGUF's converted copy; `WeightReport` says what runs
+quantized and what was dequantized, and why.
 """
 
 from __future__ import annotations
@@ -30,16 +31,13 @@ INT4_MAX_ROWS = 4
 
 
 class Int4Weight(nn.Module):
-    """A linear layer's weight in PyTorch's int4 CPU layout: y = x @ W.T, computed in bf16.
+    """A linear layer's weight in PyTorch's int4 CPU layout (`pack_int4`): y = x @ W.T, computed in bf16.
     `takes(x)`: whether it should (x has at most INT4_MAX_ROWS rows)."""
 
-    def __init__(self, groups: GroupedCodes):
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor):
         super().__init__()
-        codes = groups.codes.to(torch.int32)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        # The kernel computes (code - 8) * scale + zero; GGUF's w = code * scale + low, so zero = low + 8 * scale.
-        scales_zeros = torch.stack([groups.scale, groups.low + 8 * groups.scale], dim=-1)  # [rows, groups, 2]
-        self.register_buffer("scales_zeros", scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -49,6 +47,15 @@ class Int4Weight(nn.Module):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
                                                         self.scales_zeros)
         return out.to(x.dtype)
+
+
+def pack_int4(groups: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, bf16 scales-and-zeros): `Int4Weight`'s two tensors. The packed layout depends on
+    the CPU's vector width (AVX2 and AVX-512 differ), so a cached copy is keyed by it."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 1)
+    # The kernel computes (code - 8) * scale + zero; GGUF's w = code * scale + low, so zero = low + 8 * scale.
+    scales_zeros = torch.stack([groups.scale, groups.low + 8 * groups.scale], dim=-1)  # [rows, groups, 2]
+    return packed, scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -79,7 +86,7 @@ def int4_kernel_works() -> bool:
                               torch.rand(48, 2, generator=gen) * 0.1, torch.randn(48, 2, generator=gen) * 0.1)
         x = torch.randn(3, 64, generator=gen)
         want = x @ groups.dequantize().T
-        return bool((Int4Weight(groups)(x) - want).abs().max() <= 1e-2 * want.abs().max())  # bf16 rounding
+        return bool((Int4Weight(*pack_int4(groups))(x) - want).abs().max() <= 1e-2 * want.abs().max())
     except Exception:  # noqa: BLE001 - any failure means: dequantize instead
         return False
 
@@ -108,9 +115,36 @@ def report_weights(report: WeightReport) -> None:
             print(f"zipage: {qtype} weights run dequantized on the CPU: {reason}", file=sys.stderr)
 
 
+def install_quantized(model, source, map_name) -> WeightReport:
+    """Give a model whose float weights are loaded (from its GGUF's converted copy) the quantized forms
+    of the GGUF's tensors where a kernel runs them; `map_name(hf_name)` is (parameter, fused part) as the
+    model loads them. Decoding and packing the forms is most of what a start-up would add to the float
+    one, so they are cached beside that copy, for this CPU and torch."""
+    weights = QuantizedWeights.of(source.stored_weights(), model.tied, map_name)
+    int4 = int4_kernel_works()
+    planned = weights.planned(model, int4)
+    keys = {key for target in planned for key in _form_keys(target)}
+    forms = source.cached(f"int4-{torch.backends.cpu.get_cpu_capability().lower()}",
+                          f"{CACHE_FORMAT}, torch {torch.__version__}", keys, lambda: weights.forms(planned))
+    return weights.install_forms(model, forms, int4)
+
+
+EMBEDDING = "model.embed_tokens.weight"
+TIED_HEAD = "tied_lm_head"  # a tied head's int4 form, packed from the embedding's codes
+CACHE_FORMAT = "zipage int4 forms 1"  # bump when the cached forms change
+
+
+def _form_keys(target: str) -> list[str]:
+    """The names of a weight's quantized form: the embedding's codes, scales and offsets, else
+    Int4Weight's two tensors."""
+    fields = ("codes", "scale", "low") if target == EMBEDDING else ("packed", "scales_zeros")
+    return [f"{target}.{field}" for field in fields]
+
+
 class QuantizedWeights:
-    """A model's quantized tensors, gathered while it loads: a fused layer (q/k/v, gate/up) can run
-    quantized only once all its parts are in, and only if they share a 4-bit type."""
+    """A model's quantized tensors by the parameter they fill: a fused layer (q/k/v, gate/up) runs
+    quantized only if its parts share a 4-bit type. `forms` decodes and packs what runs quantized;
+    `install_forms` gives those forms to a model whose float weights are loaded."""
 
     def __init__(self):
         self.parts: dict[str, dict[str | None, QuantizedTensor]] = {}
@@ -118,48 +152,95 @@ class QuantizedWeights:
     def add(self, target: str, shard: str | None, tensor: QuantizedTensor) -> None:
         self.parts.setdefault(target, {})[shard] = tensor
 
+    @classmethod
+    def of(cls, weights, tied: bool, map_name) -> "QuantizedWeights":
+        """The quantized tensors of a stream of (HF name, tensor), by the parameter `map_name` gives."""
+        found = cls()
+        for name, tensor in weights:
+            target, shard = map_name(name)
+            if isinstance(tensor, QuantizedTensor) and target is not None and not (tied and target == "lm_head.weight"):
+                found.add(target, shard, tensor)
+        return found
+
     def install(self, model, store) -> WeightReport:
-        """Store each target's dequantized values in `model` with `store(target, shard, float_tensor)`
-        (the model's own checked copy, for long products), and give it its int4 form where a kernel
-        runs its type. Returns what was done."""
-        report = WeightReport()
+        """For CausalLM.load_weights, given stored tensors: store each part's dequantized values with
+        `store(target, shard, float_tensor)` (the model's checked copy, for long products), then give
+        the model the quantized forms."""
+        if not self.parts:  # float weights only
+            return WeightReport()
+        for target, parts in self.parts.items():
+            for shard, tensor in parts.items():
+                store(target, shard, tensor.dequantize())
         int4 = int4_kernel_works()
+        return self.install_forms(model, self.forms(self.planned(model, int4)), int4)
+
+    def planned(self, model, int4: bool) -> dict[str, dict[str | None, QuantizedTensor]]:
+        """The parts of what runs quantized, by the key its forms go under: each int4 weight, the
+        embedding where its type is one of 32-value groups, and a tied head that runs int4 (TIED_HEAD)."""
+        planned = {}
+        for target, parts in self.parts.items():
+            if target == EMBEDDING and parts[None].qtype in GROUPED_TYPES:
+                planned[EMBEDDING] = parts
+                if model.tied and _why_not_int4({parts[None].qtype}, int4, parts[None].shape[0]) is None:
+                    planned[TIED_HEAD] = parts
+            elif target != EMBEDDING and self._why_not(parts, int4) is None:
+                planned[target] = parts
+        return planned
+
+    @staticmethod
+    def forms(planned: dict) -> dict[str, torch.Tensor]:
+        """The planned weights decoded and packed: "<key>.packed" and "<key>.scales_zeros" of an int4
+        weight, "<key>.codes", ".scale" and ".low" of the embedding."""
+        forms, embedding = {}, None
+        for key, parts in planned.items():
+            if key in (EMBEDDING, TIED_HEAD):  # decoded once for both
+                embedding = parts[None].groups() if embedding is None else embedding
+                groups = embedding
+            else:
+                groups = _concat([parts[s].groups() for s in sorted(parts, key=_shard_order)])
+            values = (groups.codes, groups.scale, groups.low) if key == EMBEDDING else pack_int4(groups)
+            forms.update(zip(_form_keys(key), values))
+        return forms
+
+    def install_forms(self, model, forms: dict[str, torch.Tensor], int4: bool) -> WeightReport:
+        """Give each weight that runs quantized its form from `forms`; the others keep the float values
+        loaded already. Returns what runs as what."""
+        report = WeightReport()
         dtype = model.model.norm.weight.dtype
         for target, parts in self.parts.items():
-            types = {t.qtype for t in parts.values()}
-            qtype = "+".join(sorted(types))
-            if target == "model.embed_tokens.weight":
-                self._install_embedding(model, parts[None], int4, dtype, report, store)
+            qtype = "+".join(sorted({t.qtype for t in parts.values()}))
+            if target == EMBEDDING:
+                self._install_embedding(model, parts[None], forms, int4, dtype, report)
                 continue
-            # Decoded once: the groups give both the float copy (as exact as gguf's own dequantization,
-            # and faster) and the int4 form.
-            decoded = {shard: t.groups() if t.qtype in GROUPED_TYPES else None for shard, t in parts.items()}
-            for shard, tensor in parts.items():
-                store(target, shard, tensor.dequantize() if decoded[shard] is None else decoded[shard].dequantize())
-            why = _why_not_int4(types, int4, sum(t.shape[0] for t in parts.values()))
+            why = self._why_not(parts, int4)
             if why is None:
                 module = model.get_submodule(target.removesuffix(".weight"))
-                module.quant = Int4Weight(_concat([decoded[s] for s in sorted(parts, key=_shard_order)]))
+                module.quant = Int4Weight(*(forms[key] for key in _form_keys(target)))
                 report.add(qtype, "int4")
             else:
                 report.add(qtype, f"dequantized {str(dtype).removeprefix('torch.')}", why)
         return report
 
     @staticmethod
-    def _install_embedding(model, tensor: QuantizedTensor, int4: bool, dtype, report: WeightReport, store) -> None:
+    def _why_not(parts: dict[str | None, QuantizedTensor], int4: bool) -> str | None:
+        return _why_not_int4({t.qtype for t in parts.values()}, int4, sum(t.shape[0] for t in parts.values()))
+
+    @staticmethod
+    def _install_embedding(model, tensor: QuantizedTensor, forms: dict, int4: bool, dtype, report: WeightReport) -> None:
         if tensor.qtype not in GROUPED_TYPES:
-            store("model.embed_tokens.weight", None, tensor.dequantize())
             report.add(tensor.qtype, "dequantized embedding", f"no decoder for {tensor.qtype} blocks")
             return
-        groups = tensor.groups()
-        model.model.embed_tokens = QuantizedEmbedding(groups, dtype)
+        # The float values loaded already stay on as a tied head's own copy, for long products.
+        values = model.model.embed_tokens.weight.detach()
+        codes = GroupedCodes(*(forms[key] for key in _form_keys(EMBEDDING)))
+        model.model.embed_tokens = QuantizedEmbedding(codes, dtype)
         report.add(tensor.qtype, "embedding rows")
         if not model.tied:
             return
-        model.head_weight = groups.dequantize().to(dtype)  # the head's own copy, for long products
+        model.head_weight = values
         why = _why_not_int4({tensor.qtype}, int4, tensor.shape[0])
         if why is None:
-            model.quant_head = Int4Weight(groups)
+            model.quant_head = Int4Weight(*(forms[key] for key in _form_keys(TIED_HEAD)))
             report.add(tensor.qtype, "int4 LM head")
         else:
             report.add(tensor.qtype, f"dequantized LM head {str(dtype).removeprefix('torch.')}", why)

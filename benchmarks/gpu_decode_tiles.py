@@ -1,0 +1,87 @@
+"""Decode attention alone over bf16 and fp8 caches, per key tile and split-K ways: milliseconds and
+the bandwidth reached on the bytes read (codes, scales and block tables' worth of K/V).
+
+    python3 benchmarks/gpu_decode_tiles.py --json out.json
+    python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4
+
+Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each fp8
+case is checked against the reference on the same codes before it is timed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import bench_common
+
+
+def cases(args):
+    for shape in args.shapes.split(","):
+        batch, context = (int(x) for x in shape.split("x"))
+        for tile in (int(x) for x in args.tiles.split(",")):
+            for ways in args.ways.split(","):
+                yield batch, context, tile, None if ways == "auto" else int(ways)
+
+
+def main(argv=None) -> dict:
+    parser = bench_common.parser(__doc__, "random:qwen3-0.6b")
+    parser.add_argument("--shapes", default="64x2000,256x2000,1x8000", help="BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--tiles", default="64,128", help="keys per step of the decode loop")
+    parser.add_argument("--ways", default="auto,2,4", help="split-K partitions (auto: the engine's choice)")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=256)
+    args = bench_common.parse_args(parser, argv)
+
+    import triton.testing
+
+    from zipage import kernels
+    from zipage.kernels import reference as ref
+    from zipage.kernels import triton_attention
+    from zipage.testing import random_paged_cache
+
+    kernels.use_triton()
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(0)
+    results = {**bench_common.device_description(dev), "args": vars(args), "rows": []}
+    heads, dim = args.kv_heads, args.head_dim
+    for batch, context, tile, ways in cases(args):
+        k, v, tables = random_paged_cache([context] * batch, args.block_size, heads, dim, gen,
+                                          randn=lambda shape: torch.randn(shape, device=dev, dtype=torch.bfloat16))
+        tables = tables.to(dev)
+        k_codes, k_scales = ref.quantize_rows(k, torch.float8_e4m3fn)
+        v_codes, v_scales = ref.quantize_rows(v, torch.float8_e4m3fn)
+        # the engine's scale layout: each head's scales of a block contiguous
+        k_scales, v_scales = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (k_scales, v_scales))
+        query = torch.randn(batch, heads * args.group, dim, device=dev, dtype=torch.bfloat16)
+        ctx = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        scale = dim ** -0.5
+        entries = batch * context * heads
+        for label, call, nbytes in (
+            ("bf16", lambda: triton_attention.paged_decode_attention_impl(
+                query, k, v, tables, ctx, scale, num_partitions=ways, block_n=tile), entries * dim * 2 * 2),
+            ("fp8", lambda: triton_attention.paged_decode_attention_impl(
+                query, k_codes, v_codes, tables, ctx, scale, num_partitions=ways, block_n=tile,
+                k_scales=k_scales, v_scales=v_scales), entries * (dim + 4) * 2),
+        ):
+            row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto"}
+            if label == "fp8":
+                expected = ref.paged_decode_attention(query.float(), k_codes, v_codes, tables, ctx, scale,
+                                                      k_scales=k_scales, v_scales=v_scales)
+                out = call().float()
+                row["rel_err"] = float((out - expected).norm() / expected.norm())
+            ms = triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median")
+            row.update(ms=ms, GBps=nbytes / (ms * 1e-3) / 1e9)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del k, v, k_codes, v_codes
+        torch.cuda.empty_cache()
+    bench_common.write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

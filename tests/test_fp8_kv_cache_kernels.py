@@ -1,0 +1,293 @@
+"""The fp8 KV cache's Triton writers against kernels.reference, run on the CPU with the Triton
+interpreter (TRITON_INTERPRET=1): store_kv and qk_norm_rope_store quantize each (token, KV head)
+row into float8_e4m3fn codes and a float32 scale; compact_kv moves codes and scales untouched.
+
+The interpreter's own float32 -> fp8 cast is wrong; triton_ops.patch_interpreter_for_numpy2 sends it
+through torch's cast, which rounds to nearest even like the GPU's cvt.rn.satfinite: the kernels'
+arithmetic is then checked bit for bit against the reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from zipage.kernels import reference as ref  # noqa: E402
+from zipage.kernels import triton_ops  # noqa: E402
+
+triton_ops.patch_interpreter_for_numpy2()
+
+from zipage.kernels import triton_cache as tcache  # noqa: E402
+from zipage.kernels import triton_fused as tfused  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_values() -> torch.Tensor:
+    """Every finite, non-negative e4m3 value in ascending order."""
+    values = torch.arange(128, dtype=torch.uint8).view(FP8).float()
+    return values[torch.isfinite(values)]
+
+
+def random_codes(shape, gen) -> torch.Tensor:
+    """Stale cache contents: random fp8 codes, NaN codes (0x7f, 0xff) left out."""
+    raw = torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)
+    return torch.where(raw % 128 == 127, raw - 1, raw).view(FP8)
+
+
+def engine_layout(scales: torch.Tensor) -> torch.Tensor:
+    """The same scales [..., blocks, block_size, kv_heads] stored as the engine stores them: each
+    head's scales of a block contiguous (a transposed view), so kernels must read them by stride."""
+    return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def awkward_rows(tokens, kv_heads, head_dim, gen) -> torch.Tensor:
+    """[tokens, kv_heads, head_dim] float32 rows of very different magnitudes, with the cases that
+    matter planted: an all-zero row (token 1), a row with one large outlier (token 2: the rest land
+    near or below e4m3's subnormals), and rows of exact rounding ties between neighbouring codes,
+    normal and subnormal, of both signs: token 3 with amax 448 (scale 1), token 4 the same times 7
+    (scale 7: x / scale is exact, x * (1 / scale) often is not)."""
+    x = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    x *= torch.exp(3 * torch.randn(tokens, kv_heads, 1, generator=gen))
+    x[1, 0] = 0.0
+    x[2, -1, head_dim // 3] = 4e4 * x[2, -1].abs().max()
+    values = fp8_values()
+    ties = (values[1:] + values[:-1]) / 2
+    picked = ties[torch.randint(0, len(ties), (head_dim,), generator=gen)]
+    signs = torch.where(torch.rand(head_dim, generator=gen) < 0.5, -1.0, 1.0)
+    x[3, 0] = signs * picked
+    x[3, 0, 5] = -ref.FP8_MAX
+    x[4, 0] = 7 * x[3, 0]
+    return x
+
+
+def check_round_trip(codes, scales, x):
+    """Dequantized entries are within half an e4m3 step of x: at most amax * 2**-4 per row."""
+    err = (ref.dequantize(codes, scales) - x.float()).abs()
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    assert bool((err <= amax * 2.0 ** -4).all())
+
+
+def test_interpreter_fp8_cast_rounds_to_nearest_even():
+    """The cast the kernels' stores use, as the interpreter runs it here, is the exact one: every
+    e4m3 value, every tie between neighbours (to the even code), the float32 values either side of
+    each tie, and values just under a power of two that round up into the next binade."""
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n)
+        tl.store(y_ptr + i, x.to(y_ptr.dtype.element_ty), mask=i < n)
+
+    values = fp8_values()
+    ties = (values[1:] + values[:-1]) / 2
+    below, above = torch.nextafter(ties, ties - 1), torch.nextafter(ties, ties + 1)
+    edges = 2.0 ** torch.arange(-9, 9).float() * (1 - 2 ** -5)
+    x = torch.cat([values, ties, below, above, edges])
+    x = torch.cat([x, -x])
+    y = torch.empty(x.numel(), dtype=FP8)
+    cast[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(bits(y), bits(x.to(FP8)))
+    spot = torch.tensor([8.5, 9.5, 7.94, 126.24, 2.0 ** -10, 3 * 2.0 ** -10])  # ties to even; carries
+    out = torch.empty(spot.numel(), dtype=FP8)
+    cast[(1,)](spot, out, spot.numel(), BLOCK=8)
+    assert out.float().tolist() == [8.0, 10.0, 8.0, 128.0, 0.0, 2.0 ** -8]
+
+
+STORE_CASES = [  # (head_dim, kv_heads, block_size, input dtype)
+    (64, 1, 16, torch.float32), (128, 2, 16, torch.float32), (64, 3, 256, torch.float32),
+    (128, 4, 256, torch.bfloat16), (64, 4, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,block_size,dtype", STORE_CASES)
+def test_store_kv_fp8(head_dim, kv_heads, block_size, dtype):
+    """Codes and scales exactly the reference's; slots of -1 and every other slot untouched; the
+    stored entries dequantize to within e4m3's rounding of the input."""
+    gen = torch.Generator().manual_seed(head_dim + 10 * kv_heads + block_size)
+    tokens, num_blocks = 21, 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[0, 7, 20]] = -1
+    key = awkward_rows(tokens, kv_heads, head_dim, gen).to(dtype)
+    both = torch.cat([awkward_rows(tokens, kv_heads, head_dim, gen), key.float()], dim=-1).to(dtype)
+    value = both[..., :head_dim]  # a strided view
+    assert not value.is_contiguous()
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = random_codes(shape, gen), random_codes(shape, gen)
+    k_scales, v_scales = engine_layout(torch.rand(shape[:3], generator=gen)), engine_layout(torch.rand(shape[:3], generator=gen))
+    before = [t.clone() for t in (k_cache, v_cache, k_scales, v_scales)]
+    expected = [t.clone() for t in before]
+    ref.store_kv(key, value, expected[0], expected[1], slots, k_scales=expected[2], v_scales=expected[3])
+    tcache.store_kv(key, value, k_cache, v_cache, slots, k_scales=k_scales, v_scales=v_scales)
+
+    assert torch.equal(bits(k_cache), bits(expected[0])) and torch.equal(bits(v_cache), bits(expected[1]))
+    torch.testing.assert_close(k_scales, expected[2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(v_scales, expected[3], rtol=1e-6, atol=0)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for after, old in zip((k_cache, v_cache, k_scales, v_scales), before):
+        flat_after, flat_old = after.flatten(0, 1), old.flatten(0, 1)
+        if after.dtype == FP8:
+            flat_after, flat_old = bits(flat_after), bits(flat_old)
+        assert torch.equal(flat_after[~written], flat_old[~written])
+    kept = slots >= 0
+    rows = slots[kept]
+    for cache, scales, x in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
+        stored, stored_scales = cache.flatten(0, 1)[rows], scales.flatten(0, 1)[rows]
+        check_round_trip(stored, stored_scales, x[kept])
+        zero = x[kept].float().abs().amax(dim=-1) == 0
+        assert zero.any() and bool((stored_scales[zero] == 1).all())
+        assert bool((stored.float().abs().amax(dim=-1)[~zero] == ref.FP8_MAX).all())  # amax lands on 448
+
+
+def test_store_kv_fp8_ties_and_outliers_are_exact():
+    """The planted rows, spelled out: an all-zero row is codes 0 with scale 1; in the rows of ties
+    (scales 1 and 7) each element rounds to the even neighbour; an outlier's code is 448."""
+    gen = torch.Generator().manual_seed(5)
+    head_dim = 64
+    key = awkward_rows(5, 1, head_dim, gen)
+    value = key.clone()
+    k_cache, v_cache = random_codes((1, 16, 1, head_dim), gen), random_codes((1, 16, 1, head_dim), gen)
+    k_scales, v_scales = torch.rand(1, 16, 1, generator=gen), torch.rand(1, 16, 1, generator=gen)
+    tcache.store_kv(key, value, k_cache, v_cache, torch.arange(5), k_scales=k_scales, v_scales=v_scales)
+    codes, scales = k_cache[0, :5, 0], k_scales[0, :5, 0]
+    assert scales[1] == 1 and bool((bits(codes[1]) == 0).all())
+    assert scales[3] == 1 and scales[4] == 7
+    assert torch.equal(bits(codes[3]), bits(key[3, 0].to(FP8))) and torch.equal(bits(codes[4]), bits(codes[3]))
+    assert bool(((bits(codes[3]) & 1) == 0).all())  # every tie went to the even code
+    outlier = key[2, 0].abs().argmax()
+    assert codes[2, outlier].float().abs() == ref.FP8_MAX
+    assert torch.equal(bits(v_cache[0, :5]), bits(k_cache[0, :5])) and torch.equal(v_scales[0, :5], k_scales[0, :5])
+
+
+def rope_inputs(tokens, q_heads, kv_heads, head_dim, gen):
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8, generator=gen)[:, 3:3 + width]  # a strided view
+    qkv *= torch.exp(2 * torch.randn(tokens, 1, generator=gen))
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    v[1, 0] = 0.0  # an all-zero V row
+    v[2, -1, head_dim - 1] = 1e4  # an outlier in V's second half
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((positions[:, None].float() * inv_freq,) * 2, dim=-1)
+    rows = torch.stack((emb.cos(), emb.sin()), dim=1)  # the engine's layout: strided views
+    return qkv, rows[:, 0], rows[:, 1]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("group,head_dim,kv_heads,block_size", [
+    (2, 64, 2, 16), (1, 128, 1, 256), (2, 128, 4, 16), (4, 64, 3, 16), (1, 48, 2, 16)])
+def test_qk_norm_rope_store_fp8(norm, group, head_dim, kv_heads, block_size):
+    """q (and the query cache) exactly as with a plain cache; K/V codes and scales exactly the
+    reference's quantize_rows of the kernel's own float32 K/V (one amax over both rotary halves);
+    against the whole reference, V bit for bit and K up to the kernel's float32 RoPE/norm rounding.
+    head_dim 48 leaves masked lanes in each half."""
+    gen = torch.Generator().manual_seed(13 + head_dim + kv_heads + norm)
+    tokens, q_heads, num_blocks = 9, kv_heads * group, 3
+    qkv, cos, sin = rope_inputs(tokens, q_heads, kv_heads, head_dim, gen)
+    q_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
+    k_norm = torch.rand(head_dim, generator=gen) + 0.5 if norm else None
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[0, 6]] = -1
+    qslots = torch.tensor([3, -1, 0, 11, -1, 5, 6, -1, 1])
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    # fp8 caches, and the scales as layer views of a [layers, 2, ...] tensor as the engine holds them
+    caches = random_codes((2, 2) + shape, gen)
+    scales = torch.rand((2, 2) + shape[:3], generator=gen)
+    qcache = torch.randn(12, q_heads, head_dim, generator=gen)
+    expected = [caches.clone(), scales.clone(), qcache.clone()]
+    args = (qkv, cos, sin, q_norm, k_norm, 1e-6)
+    q = tfused.qk_norm_rope_store(*args, caches[1, 0], caches[1, 1], slots, qcache, qslots,
+                                  k_scales=scales[1, 0], v_scales=scales[1, 1])
+    q_ref = ref.qk_norm_rope_store(*args, expected[0][1, 0], expected[0][1, 1], slots, expected[2], qslots,
+                                   k_scales=expected[1][1, 0], v_scales=expected[1][1, 1])
+    # The same kernel on a float32 cache: its q, and the K/V values it would store.
+    plain_k, plain_v = torch.zeros(shape), torch.zeros(shape)
+    plain_qcache = expected[2].clone()
+    plain_q = tfused.qk_norm_rope_store(*args, plain_k, plain_v, slots, plain_qcache, qslots)
+
+    assert torch.equal(q, plain_q) and torch.equal(qcache, plain_qcache)
+    torch.testing.assert_close(q, q_ref, rtol=1e-4, atol=1e-5)
+    rows = slots[slots >= 0]
+    for i, plain in enumerate((plain_k, plain_v)):
+        codes, row_scales = ref.quantize_rows(plain.flatten(0, 1)[rows], FP8)
+        assert torch.equal(bits(caches[1, i].flatten(0, 1)[rows]), bits(codes))
+        assert torch.equal(scales[1, i].flatten(0, 1)[rows], row_scales)
+        check_round_trip(caches[1, i].flatten(0, 1)[rows], row_scales, plain.flatten(0, 1)[rows])
+    # Nothing else written: other layers, the other slots.
+    assert torch.equal(bits(caches[0]), bits(expected[0][0])) and torch.equal(scales[0], expected[1][0])
+    assert torch.equal(bits(caches[1, 1]), bits(expected[0][1, 1]))  # V: no arithmetic, so bit-exact
+    assert torch.equal(scales[1, 1], expected[1][1, 1])
+    torch.testing.assert_close(scales, expected[1], rtol=1e-6, atol=0)
+    if not norm:  # RoPE alone is the same float32 products as the reference: bit-exact
+        assert torch.equal(bits(caches[1, 0]), bits(expected[0][1, 0]))
+    else:  # the kernel's RMS sum rounds differently from torch.rms_norm: a rare code one step off
+        k_codes, k_ref = caches[1, 0].float(), expected[0][1, 0].float()
+        step = 2.0 ** (torch.floor(torch.log2(k_ref.abs().clamp(min=2.0 ** -6))) - 3)
+        differ = k_codes != k_ref
+        assert bool(((k_codes - k_ref).abs() <= step).all()) and differ.float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("kv_heads,block_size,head_dim", [(1, 16, 64), (2, 16, 128), (3, 16, 64), (4, 256, 64)])
+@pytest.mark.parametrize("with_tables", [True, False])
+def test_compact_kv_fp8_overlapping(kv_heads, block_size, head_dim, with_tables):
+    """Targets are blocks the kept entries come from: each kept entry's codes and scale land in
+    its target slot bit for bit (gathered before anything is written), the score, position and
+    choice tables move as before, and every slot outside the targets is untouched."""
+    gen = torch.Generator().manual_seed(kv_heads * 100 + block_size + head_dim)
+    num_blocks = 6
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    scales = engine_layout(torch.rand((2, 2) + shape[:3], generator=gen))  # layer views, as the engine holds them
+    other_layer = scales[0].clone()
+    k_cache, v_cache = random_codes(shape, gen), random_codes(shape, gen)
+    k_scales, v_scales = scales[1, 0], scales[1, 1]
+    slots = num_blocks * block_size
+    score_cache = torch.randn(slots, kv_heads, generator=gen)
+    position_cache = torch.randperm(slots, generator=gen).int()[:, None].repeat(1, kv_heads)
+    choice_cache = torch.randn(slots, kv_heads, generator=gen)
+    table = torch.tensor([3, 0, 5, 1])
+    kv_len = 3 * block_size + block_size // 2
+    keep = 2 * block_size
+    token_slots = (table[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:kv_len]
+    src = token_slots[ref.keep_indices(torch.randn(kv_heads, kv_len, generator=gen), keep)]
+    targets = [0, 3]  # the first two blocks of the sequence, both sources
+    dst = torch.tensor([b * block_size + o for b in targets for o in range(block_size)])
+    kept_scores = torch.randn(kv_heads, keep, generator=gen)
+    kept_choices = torch.randn(kv_heads, keep, generator=gen)
+    tables = (score_cache, position_cache, choice_cache) if with_tables else (None, None, None)
+    before = [t.clone() for t in (k_cache, v_cache, k_scales, v_scales, score_cache, position_cache, choice_cache)]
+    expected = [t.clone() for t in before]
+    exp_tables = expected[4:] if with_tables else (None, None, None)
+    ref.compact_kv(expected[0], expected[1], exp_tables[0], src, dst, kept_scores, exp_tables[1], exp_tables[2],
+                   kept_choices, k_scales=expected[2], v_scales=expected[3])
+    tcache.compact_kv(k_cache, v_cache, tables[0], src, dst, kept_scores, tables[1], tables[2], kept_choices,
+                      k_scales=k_scales, v_scales=v_scales)
+
+    heads = torch.arange(kv_heads)[None, :]
+    for after, old in zip((k_cache, v_cache, k_scales, v_scales), before):
+        flat_after, flat_old = after.flatten(0, 1), old.flatten(0, 1)
+        if after.dtype == FP8:
+            flat_after, flat_old = bits(flat_after), bits(flat_old)
+        assert torch.equal(flat_after[dst[:, None], heads], flat_old[src.t(), heads])  # moved as they were
+        others = torch.ones(slots, dtype=torch.bool)
+        others[dst] = False
+        assert torch.equal(flat_after[others], flat_old[others])
+    assert torch.equal(bits(k_cache), bits(expected[0])) and torch.equal(bits(v_cache), bits(expected[1]))
+    assert torch.equal(k_scales, expected[2]) and torch.equal(v_scales, expected[3])
+    assert torch.equal(scales[0], other_layer)
+    if with_tables:
+        for after, exp in zip(tables, exp_tables):
+            assert torch.equal(after, exp)
+        assert torch.equal(position_cache[dst[:, None], heads], before[5][src.t(), heads])
