@@ -654,9 +654,9 @@ class KernelTrace:
         for name in self.NAMES:
             inner = getattr(kernels, name)
 
-            def wrapper(*args, _name=name, _inner=inner):
+            def wrapper(*args, _name=name, _inner=inner, **scales):  # an fp8 cache's scales, by keyword
                 snapshot = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-                result = _inner(*args)
+                result = _inner(*args, **scales)
                 self.calls.append((_name, snapshot, result.clone() if isinstance(result, torch.Tensor) else None))
                 return result
 
