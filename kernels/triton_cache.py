@@ -10,9 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from zipage.kernels import reference
 from zipage.kernels.triton_attention import next_pow2
 
-FP8_MAX = tl.constexpr(448.0)  # reference.FP8_MAX, the largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(reference.FP8_MAX)  # the largest finite float8_e4m3fn
 
 
 @triton.jit

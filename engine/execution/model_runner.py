@@ -229,7 +229,7 @@ class ModelRunner:
         """Point every attention layer at its K/V blocks (and scales)."""
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
-            attn.k_scales, attn.v_scales = (scales[i, 0], scales[i, 1]) if scales is not None else (None, None)
+            attn.cache_scales = {"k_scales": scales[i, 0], "v_scales": scales[i, 1]} if scales is not None else {}
 
     def layer_cache(self, layer: int) -> dict:
         """One layer's K/V blocks and scales, as the kernels take them (k_cache, v_cache, k_scales, v_scales)."""

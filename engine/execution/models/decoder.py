@@ -179,8 +179,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.k_scales: torch.Tensor | None = None  # an fp8 cache's scales (docs/design-notes.md, "KV in 8 bits")
-        self.v_scales: torch.Tensor | None = None
+        # an fp8 cache's scales as the kernels take them, by keyword; empty for a cache in the model's
+        # dtype (docs/design-notes.md, "KV in 8 bits")
+        self.cache_scales: dict[str, torch.Tensor] = {}
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -191,7 +192,7 @@ class Attention(nn.Module):
         """Everything between the QKV and O projections: [tokens, q_size] from qkv [tokens, qkv width]."""
         tokens = qkv.shape[0]
         store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
-        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales} if self.k_scales is not None else {}
+        scales = self.cache_scales
         q = kernels.qk_norm_rope_store(
             qkv, *cos_sin,
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
