@@ -1034,29 +1034,32 @@ def check_structured_output(report: Report, s: Sizes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 KV (docs/design-notes.md, "KV in 8 bits")
+# 8-bit KV: fp8 and int8 codes (docs/design-notes.md, "KV in 8 bits")
 
 
-def _fp8_paged(lens, s: Sizes, head_dim: int, gen, extra_cols: int = 1):
-    """Paged caches of these lengths quantized to fp8: (k codes, v codes, k scales, v scales, tables,
-    (the keys and values before quantization))."""
+CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def _coded_paged(lens, s: Sizes, head_dim: int, gen, codes: torch.dtype, extra_cols: int = 1):
+    """Paged caches of these lengths quantized to 8-bit codes: (k codes, v codes, k scales, v scales,
+    tables, (the keys and values before quantization))."""
     k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, head_dim, s.dtype, s.device, gen,
                                           extra_cols=extra_cols)
     k_cache = k_cache * 3  # keys of a few units, as models have
-    k_codes, k_scales = ref.quantize_rows(k_cache, torch.float8_e4m3fn)
-    v_codes, v_scales = ref.quantize_rows(v_cache, torch.float8_e4m3fn)
+    k_codes, k_scales = ref.quantize_rows(k_cache, codes)
+    v_codes, v_scales = ref.quantize_rows(v_cache, codes)
     return k_codes, v_codes, k_scales, v_scales, tables, (k_cache, v_cache)
 
 
-def check_fp8(report: Report, s: Sizes, gen):
-    """The fp8 cache's kernels against the reference on the same codes and scales: the stores
-    (codes and scales of each entry), compaction (bit-exact moves), decode and prefill attention and the
-    window score (on dequantized values); and how far fp8 attention lies from attention over the
-    unquantized K/V."""
+def check_codes(report: Report, s: Sizes, gen, name: str):
+    """An 8-bit cache's kernels (name: fp8 or int8) against the reference on the same codes and
+    scales: the stores (codes and scales of each entry), compaction (bit-exact moves), decode and
+    prefill attention and the window score (on dequantized values); and how far its attention lies
+    from attention over the unquantized K/V."""
     from zipage.kernels import triton_attention, triton_cache, triton_fused, triton_scores
 
     dev, dt = s.device, s.dtype
-    fp8 = torch.float8_e4m3fn
+    fp8 = CODE_DTYPES[name]
     tol = BF16_TOL if dt != torch.float32 else FP32_TOL
 
     def stores():
@@ -1073,8 +1076,8 @@ def check_fp8(report: Report, s: Sizes, gen):
         ref.store_kv(key, value, caches[0][0], caches[0][1], slots, k_scales=caches[0][2], v_scales=caches[0][3])
         triton_cache.store_kv(key, value, caches[1][0], caches[1][1], slots, k_scales=caches[1][2], v_scales=caches[1][3])
         codes = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(caches[0][:2], caches[1][:2]))
-        report.check("fp8 store_kv: codes", float(codes), 0, f"{tokens} tokens, codes differing", exact=True)
-        report.check("fp8 store_kv: scales", max(rel_err(b, a) for a, b in zip(caches[0][2:], caches[1][2:])), 1e-6)
+        report.check(f"{name} store_kv: codes", float(codes), 0, f"{tokens} tokens, codes differing", exact=True)
+        report.check(f"{name} store_kv: scales", max(rel_err(b, a) for a, b in zip(caches[0][2:], caches[1][2:])), 1e-6)
         # The fused QK-norm + RoPE + store, against the reference on the same bf16 inputs.
         width = (s.q_heads + 2 * s.kv_heads) * s.head_dim
         qkv = randn((tokens, width), gen, dev, dt) * 2
@@ -1086,13 +1089,13 @@ def check_fp8(report: Report, s: Sizes, gen):
         for impl, (kc, vc, ks, vs) in ((ref.qk_norm_rope_store, fused[0]), (triton_fused.qk_norm_rope_store, fused[1])):
             impl(qkv, cos, sin, norm_w, norm_w, 1e-6, kc, vc, slots, None, None, k_scales=ks, v_scales=vs)
         values = [ref.dequantize(c, sc) for c, sc in ((fused[0][0], fused[0][2]), (fused[1][0], fused[1][2]))]
-        report.check("fp8 qk_norm_rope_store: keys", rel_err(values[1], values[0]), 0.07,
-                     "dequantized keys, Triton against the reference (one e4m3 step where bf16 rounding differs)")
+        report.check(f"{name} qk_norm_rope_store: keys", rel_err(values[1], values[0]), 0.07,
+                     "dequantized keys, Triton against the reference (one code step where bf16 rounding differs)")
 
     def compaction():
         n = s.budget_blocks
         kv_len, keep = (n + 1) * s.block_size, n * s.block_size
-        k_codes, v_codes, k_scales, v_scales, tables, _ = _fp8_paged([kv_len], s, s.head_dim, gen, extra_cols=0)
+        k_codes, v_codes, k_scales, v_scales, tables, _ = _coded_paged([kv_len], s, s.head_dim, gen, fp8, extra_cols=0)
         table = tables[0].long()
         token_slots = (table[:, None] * s.block_size + torch.arange(s.block_size, device=dev)[None, :]).flatten()
         src = token_slots[ref.keep_indices(torch.randn(s.kv_heads, kv_len, generator=gen).to(dev), keep)]
@@ -1103,11 +1106,11 @@ def check_fp8(report: Report, s: Sizes, gen):
         moved = (k_codes, v_codes, k_scales, v_scales)
         diff = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == fp8
                    else int((a != b).sum()) for a, b in zip(moved, expected))
-        report.check("fp8 compact_kv (overlapping)", float(diff), 0, f"{kv_len} -> {keep} entries, codes and scales",
+        report.check(f"{name} compact_kv (overlapping)", float(diff), 0, f"{kv_len} -> {keep} entries, codes and scales",
                      exact=True)
 
-    def decode(name, lens, ways=None):
-        k_codes, v_codes, k_scales, v_scales, tables, (keys, values) = _fp8_paged(lens, s, s.head_dim, gen)
+    def decode(label, lens, ways=None):
+        k_codes, v_codes, k_scales, v_scales, tables, (keys, values) = _coded_paged(lens, s, s.head_dim, gen, fp8)
         query = randn((len(lens), s.q_heads, s.head_dim), gen, dev, dt)
         ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
         scale = s.head_dim ** -0.5
@@ -1115,16 +1118,16 @@ def check_fp8(report: Report, s: Sizes, gen):
                                                            num_partitions=ways, k_scales=k_scales, v_scales=v_scales)
         expected = ref.paged_decode_attention(query.float(), k_codes, v_codes, tables, ctx, scale,
                                               k_scales=k_scales, v_scales=v_scales)
-        report.check(name, rel_err(out, expected), tol, f"B={len(lens)} max_ctx={max(lens)}")
+        report.check(label, rel_err(out, expected), tol, f"B={len(lens)} max_ctx={max(lens)}")
         unquantized = ref.paged_decode_attention(query.float(), keys.float(), values.float(), tables, ctx, scale)
-        report.check(f"{name}: fp8 against unquantized K/V", rel_err(out, unquantized), 0.1,
-                     "e4m3's rounding of keys and values (3 mantissa bits)")
+        report.check(f"{label}: against unquantized K/V", rel_err(out, unquantized), 0.1,
+                     "the codes' rounding of keys and values")
 
     def prefill():
         q_lens = torch.randint(s.prefill_q[0], s.prefill_q[1] + 1, (s.prefill_seqs,), generator=gen).tolist()
         prefixes = torch.randint(s.prefill_prefix[0], s.prefill_prefix[1] + 1, (s.prefill_seqs,), generator=gen).tolist()
         lens = [q + p for q, p in zip(q_lens, prefixes)]
-        k_codes, v_codes, k_scales, v_scales, tables, _ = _fp8_paged(lens, s, s.head_dim, gen)
+        k_codes, v_codes, k_scales, v_scales, tables, _ = _coded_paged(lens, s, s.head_dim, gen, fp8)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
         query = randn((sum(q_lens), s.q_heads, s.head_dim), gen, dev, dt)
         ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
@@ -1133,23 +1136,23 @@ def check_fp8(report: Report, s: Sizes, gen):
                                                  k_scales=k_scales, v_scales=v_scales)
         expected = ref.prefill_attention(query.float(), k_codes, v_codes, tables, cu, ctx, scale,
                                          k_scales=k_scales, v_scales=v_scales)
-        report.check("fp8 prefill attention", rel_err(out, expected), tol, f"{len(lens)} seqs, {sum(q_lens)} new tokens")
+        report.check(f"{name} prefill attention", rel_err(out, expected), tol, f"{len(lens)} seqs, {sum(q_lens)} new tokens")
 
     def window():
         kv_len = (s.budget_blocks + 1) * s.block_size
-        k_codes, _, k_scales, _, tables, _ = _fp8_paged([kv_len], s, s.head_dim, gen, extra_cols=0)
+        k_codes, _, k_scales, _, tables, _ = _coded_paged([kv_len], s, s.head_dim, gen, fp8, extra_cols=0)
         queries = randn((s.window, s.q_heads, s.head_dim), gen, dev, dt)
         scale = s.head_dim ** -0.5
         out = triton_scores.window_attention_score(queries, k_codes, tables[0].long(), kv_len, scale, k_scales=k_scales)
         expected = ref.window_attention_score(queries.float(), k_codes, tables[0].long(), kv_len, scale, k_scales=k_scales)
-        report.check("fp8 window_attention_score", rel_err(out, expected), tol, f"kv_len={kv_len}")
+        report.check(f"{name} window_attention_score", rel_err(out, expected), tol, f"kv_len={kv_len}")
 
     def timing():
-        """Decode attention over the loaded shape (batch 64 x 2000 tokens), bf16 cache against fp8."""
+        """Decode attention over the loaded shape (batch 64 x 2000 tokens), bf16 cache against 8-bit codes."""
         if torch.device(dev).type != "cuda":
             return
         lens = [2000] * 64
-        k_codes, v_codes, k_scales, v_scales, tables, (k_bf16, v_bf16) = _fp8_paged(lens, s, s.head_dim, gen)
+        k_codes, v_codes, k_scales, v_scales, tables, (k_bf16, v_bf16) = _coded_paged(lens, s, s.head_dim, gen, fp8)
         query = randn((len(lens), s.q_heads, s.head_dim), gen, dev, dt)
         ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
         scale = s.head_dim ** -0.5
@@ -1157,22 +1160,22 @@ def check_fp8(report: Report, s: Sizes, gen):
             query, k_codes, v_codes, tables, ctx, scale, k_scales=k_scales, v_scales=v_scales)
         report.time("decode attention bf16 B64 x 2000", bench_ms(
             lambda: triton_attention.paged_decode_attention(query, k_bf16, v_bf16, tables, ctx, scale), dev))
-        report.time("decode attention fp8 B64 x 2000", bench_ms(fp8_call, dev))
+        report.time(f"decode attention {name} B64 x 2000", bench_ms(fp8_call, dev))
 
-    report.attempt("fp8 stores", stores)
-    report.attempt("fp8 compaction", compaction)
-    report.attempt("fp8 decode", decode, f"fp8 decode B{s.decode_batch}", torch.randint(
+    report.attempt(f"{name} stores", stores)
+    report.attempt(f"{name} compaction", compaction)
+    report.attempt(f"{name} decode", decode, f"{name} decode B{s.decode_batch}", torch.randint(
         1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist())
-    report.attempt("fp8 decode split", decode, f"fp8 decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx])
-    report.attempt("fp8 prefill", prefill)
-    report.attempt("fp8 window score", window)
-    report.attempt("fp8 timing", timing)
+    report.attempt(f"{name} decode split", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx])
+    report.attempt(f"{name} prefill", prefill)
+    report.attempt(f"{name} window score", window)
+    report.attempt(f"{name} timing", timing)
 
 
-def check_fp8_engine(report: Report, s: Sizes) -> None:
-    """The engine with an fp8 cache on the device (tiny Qwen3, fp32, compression, CUDA graphs and
-    overlapped decode) against the same requests on the CPU's PyTorch path: greedy tokens agree until
-    an fp8 rounding flips a near-tie, and compressions run."""
+def check_codes_engine(report: Report, s: Sizes, name: str) -> None:
+    """The engine with an 8-bit cache (name: fp8 or int8) on the device (tiny Qwen3, fp32, compression,
+    CUDA graphs and overlapped decode) against the same requests on the CPU's PyTorch path: greedy
+    tokens agree until a rounding flips a near-tie, and compressions run."""
     from zipage.engine import SamplingParams
 
     gen = torch.Generator().manual_seed(31)
@@ -1183,10 +1186,10 @@ def check_fp8_engine(report: Report, s: Sizes) -> None:
         return {"tokens": [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))],
                 "compressions": llm.engine.totals["compressions"]}
 
-    runs = _on_device_and_cpu(s, 9, run, kv_cache_dtype="fp8")
+    runs = _on_device_and_cpu(s, 9, run, kv_cache_dtype=name)
     dev, cpu = runs[s.device], runs["cpu"]
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(dev["tokens"], cpu["tokens"])]
-    report.check(f"fp8 engine: {s.device} tokens as the CPU's", float(sum(len(t) for t in dev["tokens"]) - sum(agree)),
+    report.check(f"{name} engine: {s.device} tokens as the CPU's", float(sum(len(t) for t in dev["tokens"]) - sum(agree)),
                  0.25 * sum(len(t) for t in dev["tokens"]),
                  f"tokens agreeing before the first difference per request {agree}; compressions {dev['compressions']} "
                  f"({s.device}) {cpu['compressions']} (cpu)")
@@ -1331,7 +1334,8 @@ def main(argv=None) -> int:
         ("graph", "CUDA graph", check_cuda_graph),
         ("fused", "fused layer chains", check_fused),
         ("skinny", "skinny decode products", check_skinny),
-        ("fp8", "fp8 KV kernels", check_fp8),
+        ("fp8", "fp8 KV kernels", lambda r, sz, g: check_codes(r, sz, g, "fp8")),
+        ("int8", "int8 KV kernels", lambda r, sz, g: check_codes(r, sz, g, "int8")),
     ]
     seed = iter(range(1, 1000))
     plan = [(key, title, (lambda fn=fn: fn(report, s, torch.Generator().manual_seed(next(seed)))))
@@ -1344,7 +1348,8 @@ def main(argv=None) -> int:
         ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
         ("logprobs", "log-probabilities and penalties", lambda: check_logprobs_and_penalties(report, s)),
         ("structured", "structured output", lambda: check_structured_output(report, s)),
-        ("fp8", "fp8 KV engine", lambda: check_fp8_engine(report, s)),
+        ("fp8", "fp8 KV engine", lambda: check_codes_engine(report, s, "fp8")),
+        ("int8", "int8 KV engine", lambda: check_codes_engine(report, s, "int8")),
         ("timing", "timings: kernels (median ms)", lambda: time_kernels(report, s, torch.Generator().manual_seed(99))),
         ("timing", "timings: compression (median ms)",
          lambda: time_compression(report, s, torch.Generator().manual_seed(98))),

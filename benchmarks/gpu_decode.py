@@ -35,6 +35,7 @@ import time
 import torch
 
 import bench_common
+from zipage.engine.config import KV_CACHE_DTYPES
 
 FUSED_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope_store")
 COMMITTED: dict = {}  # the skinny-path settings as committed, read on first use
@@ -241,7 +242,7 @@ def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
     step_ms = timed_steps(engine, 20)
     host_profile(engine, 10, profile_path)
     # an entry of one head: its values, and in fp8 its float32 scale
-    per_entry = runner.head_dim * (torch.finfo(runner.kv_dtype).bits // 8) + (4 if runner.kv_fp8 else 0)
+    per_entry = runner.head_dim * runner.kv_dtype.itemsize + (4 if runner.kv_quantized else 0)
     kv_entries = sum(s.kv_len for s in seqs)
     kv_bytes = kv_entries * runner.num_layers * 2 * runner.num_kv_heads * per_entry
     read = kv_bytes + runner.weight_bytes
@@ -268,7 +269,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--loaded-batch", type=int, default=64)
     parser.add_argument("--loaded-context", type=int, default=2000)
     parser.add_argument("--compression", type=int, default=1)
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--budget-policy", choices=("fixed", "elastic"), default="fixed",
                         help="fixed: compress at the budget; elastic: only when the pool is short")
     parser.add_argument("--seed", type=int, default=0)

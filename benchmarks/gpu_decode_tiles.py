@@ -1,10 +1,10 @@
-"""Decode attention alone over bf16 and fp8 caches, per key tile and split-K ways: milliseconds and
-the bandwidth reached on the bytes read (codes, scales and block tables' worth of K/V).
+"""Decode attention alone over bf16, fp8 and int8 caches, per key tile and split-K ways: milliseconds
+and the bandwidth reached on the bytes read (codes, scales and block tables' worth of K/V).
 
     python3 benchmarks/gpu_decode_tiles.py --json out.json
     python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4
 
-Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each fp8
+Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each 8-bit
 case is checked against the reference on the same codes before it is timed.
 """
 
@@ -52,32 +52,39 @@ def main(argv=None) -> dict:
         k, v, tables = random_paged_cache([context] * batch, args.block_size, heads, dim, gen,
                                           randn=lambda shape: torch.randn(shape, device=dev, dtype=torch.bfloat16))
         tables = tables.to(dev)
-        k_codes, k_scales = ref.quantize_rows(k, torch.float8_e4m3fn)
-        v_codes, v_scales = ref.quantize_rows(v, torch.float8_e4m3fn)
-        # the engine's scale layout: each head's scales of a block contiguous
-        k_scales, v_scales = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (k_scales, v_scales))
+        coded = {}
+        for name, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+            k_codes, k_scales = ref.quantize_rows(k, dtype)
+            v_codes, v_scales = ref.quantize_rows(v, dtype)
+            # the engine's scale layout: each head's scales of a block contiguous
+            k_scales, v_scales = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (k_scales, v_scales))
+            coded[name] = dict(k_cache=k_codes, v_cache=v_codes, k_scales=k_scales, v_scales=v_scales)
         query = torch.randn(batch, heads * args.group, dim, device=dev, dtype=torch.bfloat16)
         ctx = torch.full((batch,), context, dtype=torch.int32, device=dev)
         scale = dim ** -0.5
         entries = batch * context * heads
-        for label, call, nbytes in (
-            ("bf16", lambda: triton_attention.paged_decode_attention_impl(
-                query, k, v, tables, ctx, scale, num_partitions=ways, block_n=tile), entries * dim * 2 * 2),
-            ("fp8", lambda: triton_attention.paged_decode_attention_impl(
-                query, k_codes, v_codes, tables, ctx, scale, num_partitions=ways, block_n=tile,
-                k_scales=k_scales, v_scales=v_scales), entries * (dim + 4) * 2),
-        ):
+
+        def attend(cache):
+            return lambda: triton_attention.paged_decode_attention_impl(
+                query, cache["k_cache"], cache["v_cache"], tables, ctx, scale, num_partitions=ways, block_n=tile,
+                k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"))
+
+        plain = dict(k_cache=k, v_cache=v)
+        for label, cache, nbytes in (("bf16", plain, entries * dim * 2 * 2),
+                                     ("fp8", coded["fp8"], entries * (dim + 4) * 2),
+                                     ("int8", coded["int8"], entries * (dim + 4) * 2)):
+            call = attend(cache)
             row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto"}
-            if label == "fp8":
-                expected = ref.paged_decode_attention(query.float(), k_codes, v_codes, tables, ctx, scale,
-                                                      k_scales=k_scales, v_scales=v_scales)
+            if label != "bf16":
+                expected = ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
+                                                      scale=scale, **cache)
                 out = call().float()
                 row["rel_err"] = float((out - expected).norm() / expected.norm())
             ms = triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median")
             row.update(ms=ms, GBps=nbytes / (ms * 1e-3) / 1e9)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
-        del k, v, k_codes, v_codes
+        del k, v, coded, plain
         torch.cuda.empty_cache()
     bench_common.write_json(args.json, results)
     return results

@@ -8,8 +8,8 @@ continuous batching (`generate_batch`), in one process.
 
 Modes: zipage (compression on, budgets as --budget-policy says, fixed by default), elastic (zipage
 with elastic budgets: full KV while the pool has room, compressed to the budget when it is short),
-zipage-fp8 (zipage with an fp8 KV cache: about twice the blocks in the same bytes), fullkv
-(compression off) and hf.
+zipage-fp8 and zipage-int8 (zipage with an 8-bit KV cache: about twice the blocks in the same
+bytes), fullkv (compression off) and hf.
 
 Workload: prompts of --min-input..--max-input random tokens, outputs of --min-output..--max-output
 tokens (EOS ignored), drawn once from a fixed seed so every mode serves the same requests. The KV
@@ -21,8 +21,8 @@ whole batch, so it serves the same prompts with every output set to the workload
 Each engine mode reports the whole run and its saturated phase (see run_engine), its budget
 policy and its compressions (pool_compressions: those run because the pool was short); the results
 also hold the workload's KV footprint ceiling (zipage.cli.bench.kv_footprint) and the Zipage /
-full-KV ratios (`ratios`, and `elastic_ratios` for the elastic mode; `fp8_ratios`: zipage-fp8 over
-zipage). --max-seconds bounds each
+full-KV ratios (`ratios`, and `elastic_ratios` for the elastic mode; `fp8_ratios` and `int8_ratios`:
+the 8-bit modes over zipage). --max-seconds bounds each
 mode; --device cpu with --num-kv-blocks checks the script on a CPU with a tiny model.
 """
 
@@ -55,8 +55,8 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
     engine_kwargs = dict(engine_kwargs, compression=mode != "fullkv")
     if mode == "elastic":
         engine_kwargs["budget_policy"] = "elastic"
-    if mode == "zipage-fp8":
-        engine_kwargs["kv_cache_dtype"] = "fp8"
+    if mode in ("zipage-fp8", "zipage-int8"):
+        engine_kwargs["kv_cache_dtype"] = mode.removeprefix("zipage-")
     engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
     for p, n in zip(prompts, outputs):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
@@ -151,7 +151,7 @@ def run_hf(model: str, prompts, outputs, log) -> dict:
 
 
 def ratios(mode: dict, base: dict) -> dict:
-    """A mode over its base (a Zipage mode over full KV, fp8 over bf16), for the whole run (only when
+    """A mode over its base (a Zipage mode over full KV, 8-bit KV over bf16), for the whole run (only when
     neither was cut off) and the saturated phase."""
     out = {}
     if not mode.get("cut_off") and not base.get("cut_off") and "tok_per_s" in mode and "tok_per_s" in base:
@@ -164,7 +164,8 @@ def ratios(mode: dict, base: dict) -> dict:
 def main(argv=None) -> dict:
     parser = bench_common.parser(__doc__, "random:qwen3-0.6b")
     parser.add_argument("--modes", default="zipage,fullkv,hf",
-                        help="comma-separated: zipage, elastic (zipage with elastic budgets), zipage-fp8, fullkv, hf")
+                        help="comma-separated: zipage, elastic (zipage with elastic budgets), zipage-fp8, zipage-int8, "
+                             "fullkv, hf")
     bench_common.add_workload_flags(parser, num_requests=256, min_output=2048, max_output=8192, seed=0)
     parser.add_argument("--hf-num-requests", type=int, default=None, help="fewer requests for hf (default: all)")
     parser.add_argument("--kv-cache-gb", type=float, default=None)
@@ -209,7 +210,7 @@ def main(argv=None) -> dict:
     for mode in args.modes.split(","):
         log(f"{args.model} {mode} ...")
         try:
-            if mode in ("zipage", "elastic", "zipage-fp8", "fullkv"):
+            if mode in ("zipage", "elastic", "zipage-fp8", "zipage-int8", "fullkv"):
                 profile = f"{args.profile_dir}/profile_{mode}.txt" if args.profile_dir else None
                 r = run_engine(args.model, prompts, outputs, mode, engine_kwargs, log, profile, args.max_seconds)
             elif mode == "hf":
@@ -222,7 +223,7 @@ def main(argv=None) -> dict:
         results["modes"][mode] = r
         done = results["modes"]
         for zipage_mode, base, key in (("zipage", "fullkv", "ratios"), ("elastic", "fullkv", "elastic_ratios"),
-                                       ("zipage-fp8", "zipage", "fp8_ratios")):
+                                       ("zipage-fp8", "zipage", "fp8_ratios"), ("zipage-int8", "zipage", "int8_ratios")):
             # once both sides have run, in whichever order --modes gives them
             if mode in (zipage_mode, base) and zipage_mode in done and base in done:
                 results[key] = ratios(done[zipage_mode], done[base])

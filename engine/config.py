@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 EVICTION_POLICIES = ("score", "random", "recent")
 BUDGET_POLICIES = ("fixed", "elastic")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # docs/design-notes.md, "Quantized CPU weights"
-KV_CACHE_DTYPES = ("auto", "fp8")  # docs/design-notes.md, "KV in 8 bits"
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # docs/design-notes.md, "KV in 8 bits"
 DEFAULT_MODEL = "smollm2-135m"  # the built-in model a newcomer runs (engine/loading/model_registry.py)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_PENALTY = 1e-6  # repetition penalties outside [1e-6, 1e6] only overflow the logits
@@ -47,8 +47,8 @@ class EngineConfig:
     # "auto": a quantized GGUF runs as stored on the CPU where a kernel maps its type (docs/design-notes.md,
     # "Quantized CPU weights"); "float32" / "bfloat16": every weight dequantized to that dtype.
     weight_dtype: str = "auto"
-    # "auto": K and V in the model's dtype; "fp8": float8_e4m3fn with a scale per entry and KV head,
-    # half the bytes of bf16 (docs/design-notes.md, "KV in 8 bits").
+    # "auto": K and V in the model's dtype; "fp8" (float8_e4m3fn) or "int8" codes with a scale per
+    # entry and KV head, half the bytes of bf16 (docs/design-notes.md, "KV in 8 bits").
     kv_cache_dtype: str = "auto"
     cpu_threads: int | None = None  # CPU: intra-op threads of the engine; None: chosen for the machine
 

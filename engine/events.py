@@ -133,7 +133,7 @@ class MemoryInfo:
     weights: int
     device_used: int
     device_total: int
-    kv_dtype: str = ""  # how K and V are stored: "fp8", "bf16", "fp16" or "fp32"
+    kv_dtype: str = ""  # how K and V are stored: "fp8", "int8", "bf16", "fp16" or "fp32"
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
 A slot is block_id * block_size + offset. Block tables are int32 [batch, max_blocks], padded with -1.
 
-An fp8 cache (docs/design-notes.md, "KV in 8 bits") holds float8_e4m3fn codes beside float32 scales
-k_scales, v_scales [num_blocks, block_size, num_kv_heads], one per entry and KV head: the entry's
-value is code * scale. The engine lays them out [num_blocks, num_kv_heads, block_size] in memory (a
+An 8-bit cache (docs/design-notes.md, "KV in 8 bits") holds codes, float8_e4m3fn (fp8) or int8,
+beside float32 scales k_scales, v_scales [num_blocks, block_size, num_kv_heads], one per entry and KV
+head: the entry's value is code * scale. The engine lays them out [num_blocks, num_kv_heads, block_size] in memory (a
 transposed view), so one head's scales in a block are contiguous: kernels read them by stride. Every
 kernel that reads or writes the cache takes them as keyword arguments; None means a cache in the
 model's dtype.
@@ -17,20 +17,26 @@ import torch
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+INT8_MAX = 127.0  # symmetric int8 codes: -127..127
+CODE_MAX = {torch.float8_e4m3fn: FP8_MAX, torch.int8: INT8_MAX}  # the 8-bit cache dtypes
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (codes in dtype, float32 scales [...]): each row scaled so its largest
-    magnitude is FP8_MAX (an all-zero row gets scale 1), divided, clamped and rounded to nearest."""
+    magnitude is the dtype's CODE_MAX (an all-zero row gets scale 1), divided, clamped and rounded to
+    nearest (ties to even; int8 codes are rounded before the cast, which would truncate)."""
+    top = CODE_MAX[dtype]
     x32 = x.float()
     amax = x32.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    codes = (x32 / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
-    return codes, scales
+    scales = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    codes = (x32 / scales[..., None]).clamp(-top, top)
+    if not dtype.is_floating_point:
+        codes = codes.round()
+    return codes.to(dtype), scales
 
 
 def dequantize(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """Cache entries as values: codes * scales in float32 for an fp8 cache, the cache itself otherwise."""
+    """Cache entries as values: codes * scales in float32 for an 8-bit cache, the cache itself otherwise."""
     return cache if scales is None else cache.float() * scales[..., None]
 
 
@@ -59,7 +65,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
              v_scales: torch.Tensor | None = None) -> None:
     """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped. With
-    scales (an fp8 cache) each entry is quantized on its own (quantize_rows)."""
+    scales (an 8-bit cache) each entry is quantized on its own (quantize_rows)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -262,7 +268,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
     position_cache [slots, kv_heads] (optional, int32): each entry's token position, moved with its
     entry; choice_cache [slots, kv_heads] (optional) receives kept_choices [kv_heads, keep], the score
     each kept entry was ranked by (docs/design-notes.md, "What a request still holds").
-    k_scales, v_scales (an fp8 cache): each entry's scale moves with its codes; nothing is re-quantized.
+    k_scales, v_scales (an 8-bit cache): each entry's scale moves with its codes; nothing is re-quantized.
     """
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     heads = torch.arange(kv_heads, device=k_cache.device)[None, :]

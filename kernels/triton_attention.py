@@ -5,10 +5,10 @@ Both have exactly the signatures and semantics of `kernels.reference`. Neither s
 every grid and loop bound comes from tensor shapes or from values loaded inside the kernel, so
 decode attention can be captured in a CUDA graph.
 
-An fp8 cache (k_scales, v_scales given) is read as codes converted to the query's dtype for tl.dot
-(exact: every float8_e4m3fn value is a bf16/fp16/fp32 value); the per-entry scales are folded in
+An 8-bit cache (k_scales, v_scales given) is read as codes converted to the query's dtype for tl.dot
+(exact: every float8_e4m3fn value and every int8 is a bf16/fp16/fp32 value); the per-entry scales are folded in
 rather than multiplied into every element: a key's scale multiplies its logit, a value's scale its
-probability weight before P @ V. Those branches are constexpr (FP8): for a cache in the model's
+probability weight before P @ V. Those branches are constexpr (QUANT): for a cache in the model's
 dtype the compiled kernels are the same as before, but for a few unused arguments.
 """
 
@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
+CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)  # an 8-bit cache's codes (kernels.reference)
 
 # Decode: below this many (sequence, kv head) programs per SM we split long contexts (split-K).
 DECODE_PROGRAMS_PER_SM = 2
@@ -54,7 +55,7 @@ def _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N: tl.constexp
 
 @triton.jit
 def codes_and_scales(codes, scales_ptr, blk, off, kvh, row_ok, ss_b, ss_o, ss_h, dtype: tl.constexpr):
-    """A tile of fp8 codes [rows, D] of kv head kvh at (cache block blk, offset off) per row, as
+    """A tile of 8-bit codes [rows, D] of kv head kvh at (cache block blk, offset off) per row, as
     dtype (the query's, for tl.dot), and each row's scale [rows] (0 where not row_ok): value = code * scale."""
     scales = tl.load(scales_ptr + blk * ss_b + off * ss_o + kvh * ss_h, mask=row_ok, other=0.0)
     return codes.to(dtype), scales
@@ -77,11 +78,11 @@ def _attend_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh,
     d, d_ok, scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Fold the key tile at positions t (valid where t_ok) of one kv head, read through the block
     table, into the running (max, sum, accumulator) of the query rows q. CAUSAL also hides keys
-    past each row's position q_pos; without it only missing keys are hidden. FP8: the caches hold
+    past each row's position q_pos; without it only missing keys are hidden. QUANT: the caches hold
     codes, their scales at ks_ptr, vs_ptr (strides ss_*)."""
     blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
     off = t % BLOCK_SIZE
@@ -89,7 +90,7 @@ def _attend_tile(
     k = tl.load(k_ptr + (blk * s_kb + off * s_ko)[:, None] + kvh * s_kh + d[None, :] * s_kd,
                 mask=kv_mask, other=0.0)
     logit_scale = scale_log2
-    if FP8:  # one factor per key: its scale with the softmax scale
+    if QUANT:  # one factor per key: its scale with the softmax scale
         k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
         logit_scale = (k_scales * scale_log2)[None, :]
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
@@ -100,7 +101,7 @@ def _attend_tile(
     m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
     v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
                 mask=kv_mask, other=0.0)
-    if FP8:  # a value's scale weighs its probability
+    if QUANT:  # a value's scale weighs its probability
         v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
         p = p * v_scales[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
@@ -126,12 +127,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def cache_args(query: torch.Tensor, cache: torch.Tensor, *scales: torch.Tensor | None) -> tuple:
     """Kernel arguments for reading a cache: its scales tensors (the cache itself, never read, when
-    there are none), their strides (one layout for all), FP8 and the dot precision. tl.dot runs in
-    the cache's dtype, or, for an fp8 cache, in the query's (the codes are converted to it)."""
-    fp8 = scales[0] is not None
-    if fp8 != (cache.dtype == torch.float8_e4m3fn) or any((s is not None) != fp8 for s in scales):
-        raise ValueError(f"a {cache.dtype} cache needs scales exactly when it is float8_e4m3fn")
-    if not fp8:
+    there are none), their strides (one layout for all), QUANT and the dot precision. tl.dot runs in
+    the cache's dtype, or, for an 8-bit cache, in the query's (the codes are converted to it)."""
+    quant = scales[0] is not None
+    if quant != (cache.dtype in CODE_DTYPES) or any((s is not None) != quant for s in scales):
+        raise ValueError(f"a {cache.dtype} cache needs scales exactly when it holds 8-bit codes")
+    if not quant:
         return (cache,) * len(scales) + (0, 0, 0, False, dot_precision(cache.dtype))
     if any(s.stride() != scales[0].stride() for s in scales):
         raise ValueError("k_scales and v_scales must share one layout")
@@ -165,7 +166,7 @@ def _decode_partition_kernel(
     s_ob, s_oh, s_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -190,7 +191,7 @@ def _decode_partition_kernel(
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+    if not QUANT:  # (8-bit codes are converted to the query's dtype instead)
         q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -204,7 +205,7 @@ def _decode_partition_kernel(
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn,
                                      table_width, t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
-                                     BLOCK_N, BLOCK_SIZE, False, PREC, FP8)
+                                     BLOCK_N, BLOCK_SIZE, False, PREC, QUANT)
 
     if SINGLE:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -254,12 +255,12 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _decode_tile(block_size: int, fp8: bool = False) -> int:
+def _decode_tile(block_size: int, codes: bool = False) -> int:
     """Keys per step of the decode loop. 64 for every block size: with smaller blocks a tile spans
     several blocks (block ids gathered per token), with larger ones it stays inside one block. An
-    fp8 cache takes 128: the same bytes per load as bf16's 64, 15% faster on the H200 at batch 64
+    8-bit cache takes 128: the same bytes per load as bf16's 64, 15% faster on the H200 at batch 64
     (docs/benchmarks.md, "KV in 8 bits")."""
-    return 128 if fp8 else 64
+    return 128 if codes else 64
 
 
 def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
@@ -287,7 +288,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    tile = block_n or _decode_tile(block_size, k_cache.dtype == torch.float8_e4m3fn)
+    tile = block_n or _decode_tile(block_size, k_cache.dtype in CODE_DTYPES)
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
     if min_partition is None:
@@ -302,7 +303,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         acc_buf = torch.empty((batch, q_heads, num_partitions, head_dim), dtype=torch.float32, device=query.device)
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     g_pad = max(16, next_pow2(group))
-    ks, vs, ss_b, ss_o, ss_h, fp8, prec = cache_args(query, k_cache, k_scales, v_scales)
+    ks, vs, ss_b, ss_o, ss_h, quant, prec = cache_args(query, k_cache, k_scales, v_scales)
     grid = (batch, kv_heads, num_partitions)
     _decode_partition_kernel[grid](
         query, k_cache, v_cache, ks, vs, block_tables, context_lens,
@@ -311,7 +312,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         *query.stride(), *k_cache.stride(), *v_cache.stride(), ss_b, ss_o, ss_h,
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, FP8=fp8,
+        BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
         num_warps=4, num_stages=2,
     )
     if not single:
@@ -354,12 +355,12 @@ def _prefill_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, n,
     kv_end, q_pos, kvh, d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    TMA: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+    TMA: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Fold one key tile into the running softmax of the query rows. A full tile (MASKED false)
     lies wholly before every row's position and inside the context: no mask, and with TMA its
     keys and values come by bulk copy (the tile sits inside one cache block). The diagonal and
-    last tiles hide keys past each row's position and past the context. FP8: the caches (and
+    last tiles hide keys past each row's position and past the context. QUANT: the caches (and
     their bulk copies) hold codes, their scales at ks_ptr, vs_ptr (strides ss_*)."""
     t = t0 + n
     if MASKED:
@@ -382,13 +383,13 @@ def _prefill_tile(
                     mask=d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
                     mask=d_ok[None, :], other=0.0)
-    if FP8:  # the keys' codes as q's dtype, with their scales
+    if QUANT:  # the keys' codes as q's dtype, with their scales
         if not MASKED:
             t_ok = t < kv_end  # all true: a full tile
         off = t % BLOCK_SIZE
         k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if FP8:  # a key's scale multiplies its logit
+    if QUANT:  # a key's scale multiplies its logit
         s = s * k_scales[None, :]
     if MASKED:
         s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
@@ -399,7 +400,7 @@ def _prefill_tile(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    if FP8:  # a value's scale weighs its probability (converted only now: fewer live registers)
+    if QUANT:  # a value's scale weighs its probability (converted only now: fewer live registers)
         v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
         p = p * v_scales[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
@@ -418,7 +419,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, PREC: tl.constexpr,
-    TMA: tl.constexpr, HEADS_FAST: tl.constexpr, FP8: tl.constexpr,
+    TMA: tl.constexpr, HEADS_FAST: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One (query tile, query head). Tiles are numbered across sequences in order; each program
     finds its sequence from cu_seqlens in-kernel (no host mapping). Surplus programs do nothing.
@@ -456,7 +457,7 @@ def _prefill_kernel(
     rows = (q_begin + i).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+    if not QUANT:  # (8-bit codes are converted to the query's dtype instead)
         q = q.to(k_ptr.dtype.element_ty)
 
     # Keys before the tile's first row are seen by every row: full tiles, no mask. The rest, up to
@@ -472,12 +473,12 @@ def _prefill_kernel(
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr,
                                       table_row, s_tn, table_width, t0, n, kv_end, q_pos, kvh, d, d_ok,
                                       qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, TMA, PREC, FP8)
+                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, TMA, PREC, QUANT)
     for t0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr,
                                       table_row, s_tn, table_width, t0, n, kv_end, q_pos, kvh, d, d_ok,
                                       qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, TMA, PREC, FP8)
+                                      ss_b, ss_o, ss_h, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, TMA, PREC, QUANT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + d[None, :] * s_od,
@@ -492,7 +493,7 @@ def prefill_tiles(total: int, head_dim: int, device: torch.device, itemsize: int
     """The launch shape for a prefill of `total` query rows of a cache with `itemsize`-byte entries
     (docs/benchmarks.md, "Prefill attention at the compute limit", has the sweep the Hopper shapes
     come from: 128 x 128 tiles for head size 128, 64 x 64 with the heads side by side for 64).
-    An fp8 cache (1 byte) takes 64-key tiles at head size 128: its codes pass through registers to
+    An 8-bit cache (1 byte) takes 64-key tiles at head size 128: its codes pass through registers to
     be converted, and with 128 keys the sm_90 build spills (untimed; chosen from ptxas's usage)."""
     d_pad = max(16, next_pow2(head_dim))
     block_n = 64 if d_pad <= 128 else 32
@@ -541,7 +542,7 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
     # Sum over sequences of ceil(q_i / BLOCK_M) never exceeds this (a shape-only bound).
     num_tiles = min(total, triton.cdiv(total, tiles.block_m) + num_seqs)
     grid = (q_heads, num_tiles) if tiles.heads_fast else (num_tiles, q_heads)
-    ks, vs, ss_b, ss_o, ss_h, fp8, prec = cache_args(query, k_cache, k_scales, v_scales)
+    ks, vs, ss_b, ss_o, ss_h, quant, prec = cache_args(query, k_cache, k_scales, v_scales)
     _prefill_kernel[grid](
         query, k_cache, v_cache, k_desc, v_desc, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
         float(scale) * LOG2E, num_seqs, block_tables.shape[1], num_tiles,
@@ -549,7 +550,7 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
         *block_tables.stride(), *out.stride(),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, B_PAD=max(64, next_pow2(num_seqs)),  # few variants
-        PREC=prec, TMA=tma, HEADS_FAST=tiles.heads_fast, FP8=fp8,
+        PREC=prec, TMA=tma, HEADS_FAST=tiles.heads_fast, QUANT=quant,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

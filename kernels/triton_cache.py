@@ -1,8 +1,9 @@
 """Triton cache kernels: store K/V into slots, store queries into query-cache rows, and the parallel
 compaction of kept entries into target blocks (gather everything, then scatter: two launches).
 
-An fp8 cache (k_scales, v_scales given; see kernels.reference) is written as float8_e4m3fn codes
-and a float32 scale per entry and KV head; compaction moves codes and scales, never re-quantizing."""
+An 8-bit cache (k_scales, v_scales given; see kernels.reference) is written as float8_e4m3fn or
+int8 codes and a float32 scale per entry and KV head; compaction moves codes and scales, never
+re-quantizing."""
 
 from __future__ import annotations
 
@@ -14,39 +15,56 @@ from zipage.kernels import reference
 from zipage.kernels.triton_attention import next_pow2
 
 FP8_MAX = tl.constexpr(reference.FP8_MAX)  # the largest finite float8_e4m3fn
+INT8_MAX = tl.constexpr(reference.INT8_MAX)
+ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: float32 sums this large keep no fraction bits
 
 
 @triton.jit
-def fp8_scale(amax):
+def code_scale(amax, INT8: tl.constexpr):
     """The scale of a row whose largest magnitude is amax (float32), as reference.quantize_rows:
-    amax lands on FP8_MAX; an all-zero row gets 1 (its codes are 0 either way)."""
-    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    amax lands on the largest code (FP8_MAX, or INT8_MAX for an int8 cache); an all-zero row gets 1
+    (its codes are 0 either way)."""
+    if INT8:  # (IEEE division: `/` on the GPU may be off by an ulp, and an int8 code can flip with it)
+        return tl.where(amax > 0, tl.math.div_rn(amax, INT8_MAX), 1.0)
+    else:
+        return tl.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
 @triton.jit
-def fp8_codes(x, scale):
-    """x (float32) divided by its row's scale and clamped to +-FP8_MAX, as reference.quantize_rows;
-    the store's cast to the fp8 cache dtype then rounds it to nearest even."""
-    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+def quantize_codes(x, scale, INT8: tl.constexpr):
+    """x (float32) divided by its row's scale and clamped to the largest code, as
+    reference.quantize_rows. An fp8 store's cast then rounds to nearest even; an int8 one would
+    truncate, so int8 codes are rounded here (ties to even: adding and taking away ROUNDER), after
+    an IEEE division, as torch's."""
+    if INT8:
+        return (tl.clamp(tl.math.div_rn(x, scale), -INT8_MAX, INT8_MAX) + ROUNDER) - ROUNDER
+    else:
+        return tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
 
 
-def fp8_cache(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> bool:
-    """Whether the cache is fp8 (scales given); K and V are both fp8 or neither."""
+def quantized_cache(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> bool:
+    """Whether the cache holds 8-bit codes (scales given); K and V are both or neither."""
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales go together")
     return k_scales is not None
 
 
+def int8_codes(cache: torch.Tensor) -> bool:
+    """Whether a cache's codes are int8 (else float8_e4m3fn, or no codes at all)."""
+    return cache.dtype == torch.int8
+
+
 @triton.jit
-def _store_rows(src, dst, mask, scale_dst, row_mask, QUANT: tl.constexpr):
+def _store_rows(src, dst, mask, scale_dst, row_mask, QUANT: tl.constexpr, INT8: tl.constexpr):
     """Load a tile of rows [H_PAD, D_PAD] through the pointers src and store it through dst; with
-    QUANT each row is quantized on its own and its scale stored through scale_dst [H_PAD]."""
+    QUANT each row is quantized on its own (int8 codes with INT8) and its scale stored through
+    scale_dst [H_PAD]."""
     x = tl.load(src, mask=mask, other=0.0)
     if QUANT:
         x = x.to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(x), axis=1))
+        scale = code_scale(tl.max(tl.abs(x), axis=1), INT8)
         tl.store(scale_dst, scale, mask=row_mask)
-        x = fp8_codes(x, scale[:, None])
+        x = quantize_codes(x, scale[:, None], INT8)
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -56,11 +74,11 @@ def _store_rows_kernel(
     s_at, s_ah, s_ad, s_bt, s_bh, s_bd,
     s_xb, s_xo, s_xh, s_xd, s_yb, s_yo, s_yh, s_yd, s_sab, s_sao, s_sah, s_sbb, s_sbo, s_sbh,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TWO: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TWO: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
 ):
     """Row t of a (and of b when TWO) -> slot slot[t] of dst_a (dst_b); a negative slot is skipped.
     A slot addresses (slot // BLOCK_SIZE, slot % BLOCK_SIZE) in the destination's first two dims.
-    With QUANT (an fp8 cache) the rows' scales go to the same slot of sc_a (sc_b)."""
+    With QUANT (an 8-bit cache; int8 codes with INT8) the rows' scales go to the same slot of sc_a (sc_b)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = slot >= 0
@@ -74,11 +92,11 @@ def _store_rows_kernel(
     row = t.to(tl.int64)
     _store_rows(a_ptr + row * s_at + h[:, None] * s_ah + d[None, :] * s_ad,
                 dst_a_ptr + blk * s_xb + off * s_xo + h[:, None] * s_xh + d[None, :] * s_xd, mask,
-                sc_a_ptr + blk * s_sab + off * s_sao + h * s_sah, row_mask, QUANT)
+                sc_a_ptr + blk * s_sab + off * s_sao + h * s_sah, row_mask, QUANT, INT8)
     if TWO:
         _store_rows(b_ptr + row * s_bt + h[:, None] * s_bh + d[None, :] * s_bd,
                     dst_b_ptr + blk * s_yb + off * s_yo + h[:, None] * s_yh + d[None, :] * s_yd, mask,
-                    sc_b_ptr + blk * s_sbb + off * s_sbo + h * s_sbh, row_mask, QUANT)
+                    sc_b_ptr + blk * s_sbb + off * s_sbo + h * s_sbh, row_mask, QUANT, INT8)
 
 
 def _warps(elements: int) -> int:
@@ -89,20 +107,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
              v_scales: torch.Tensor | None = None) -> None:
     """Write key/value [tokens, kv_heads, head_dim] into their slots; a slot of -1 is skipped. With
-    scales (an fp8 cache) each entry is quantized on its own (reference.quantize_rows)."""
+    scales (an 8-bit cache) each entry is quantized on its own (reference.quantize_rows)."""
     tokens = key.shape[0]
     if tokens == 0:
         return
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     h_pad, d_pad = next_pow2(kv_heads), next_pow2(head_dim)
-    quant = fp8_cache(k_scales, v_scales)
+    quant = quantized_cache(k_scales, v_scales)
     scales = (k_scales, v_scales) if quant else (k_cache, v_cache)  # unused pointers without QUANT
     scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6
     _store_rows_kernel[(tokens,)](
         key, value, k_cache, v_cache, slot_mapping, *scales,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
         HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=block_size, TWO=True,
-        QUANT=quant, num_warps=_warps(h_pad * d_pad),
+        QUANT=quant, INT8=int8_codes(k_cache), num_warps=_warps(h_pad * d_pad),
     )
 
 
@@ -118,7 +136,7 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
         query, query, query_cache, query_cache, query_slot_mapping, query_cache, query_cache,
         *query.stride(), *query.stride(),
         row_stride, 0, *query_cache.stride()[1:], row_stride, 0, *query_cache.stride()[1:], *(0,) * 6,
-        HEADS=q_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=1, TWO=False, QUANT=False,
+        HEADS=q_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=1, TWO=False, QUANT=False, INT8=False,
         num_warps=_warps(h_pad * d_pad),
     )
 
@@ -153,7 +171,7 @@ def _compact_gather_kernel(
     BLOCK_K: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     """Kept entries j of head h (their slots src[h, j]) -> tmp[j, h, :] (contiguous); with
-    HAS_POSITIONS, each one's token position -> tmp_pos[j, h]; with HAS_SCALES (an fp8 cache), its
+    HAS_POSITIONS, each one's token position -> tmp_pos[j, h]; with HAS_SCALES (an 8-bit cache), its
     K and V scales -> tmp_ks[j, h], tmp_vs[j, h]."""
     h = tl.program_id(1)
     j, slot, ok, blk, off, d, mask, tmp = _compact_tile(src_ptr + h * s_sh, s_sj, keep, h,
@@ -214,7 +232,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
                kept_choices: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
                v_scales: torch.Tensor | None = None) -> None:
     """Move the kept entries of every KV head into the target slots (see kernels.reference), and
-    their positions and ranking scores with them when those tables are given, and in an fp8 cache
+    their positions and ranking scores with them when those tables are given, and in an 8-bit cache
     their scales (codes and scales move as they are). Sources may overlap targets: the first launch
     gathers every kept entry into a buffer, the second (ordered after it on the stream) scatters them."""
     kv_heads, keep = src_slots.shape
@@ -229,7 +247,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
                if has_positions else tmp_k)
     pos_arg = position_cache if has_positions else tmp_k
     pos_strides = position_cache.stride() if has_positions else (0, 0)
-    has_scales = fp8_cache(k_scales, v_scales)
+    has_scales = quantized_cache(k_scales, v_scales)
     if has_scales:
         tmp_ks, tmp_vs = torch.empty((2, keep, kv_heads), dtype=k_scales.dtype, device=k_scales.device)
         scale_args = (k_scales, v_scales, tmp_ks, tmp_vs)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from zipage.kernels.triton_attention import next_pow2
-from zipage.kernels.triton_cache import fp8_cache, fp8_codes, fp8_scale
+from zipage.kernels.triton_cache import code_scale, int8_codes, quantize_codes, quantized_cache
 
 
 def _row_warps(width: int) -> int:
@@ -99,12 +99,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_head(x1, x2, scale_ptr):
+def _quantize_head(x1, x2, scale_ptr, INT8: tl.constexpr):
     """One head given as its two halves (float32), quantized as one row: the amax spans both
-    halves, so they share a scale (stored at scale_ptr). Returns the halves' fp8_codes."""
-    scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0)))
+    halves, so they share a scale (stored at scale_ptr). Returns the halves' quantize_codes."""
+    scale = code_scale(tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0)), INT8)
     tl.store(scale_ptr, scale)
-    return fp8_codes(x1, scale), fp8_codes(x2, scale)
+    return quantize_codes(x1, scale, INT8), quantize_codes(x2, scale, INT8)
 
 
 @triton.jit
@@ -115,10 +115,12 @@ def _qk_norm_rope_store_kernel(
     s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr, QUANT: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head when h < Q_HEADS, else a key head whose value
     head it also stores. The head is read as two halves, the pairs RoPE rotates together. With
-    QUANT (an fp8 cache) K and V are quantized per head and their scales stored beside them."""
+    QUANT (an 8-bit cache; int8 codes with INT8) K and V are quantized per head and their scales
+    stored beside them."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -160,7 +162,7 @@ def _qk_norm_rope_store_kernel(
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
             if QUANT:  # masked lanes (head_dim / 2 not a power of 2) are 0: they leave the amax alone
-                y1, y2 = _quantize_head(y1, y2, ks_ptr + blk * s_ksb + off * s_kso + kh * s_ksh)
+                y1, y2 = _quantize_head(y1, y2, ks_ptr + blk * s_ksb + off * s_kso + kh * s_ksh, INT8)
             kdst = k_cache_ptr + blk * s_kb + off * s_ko + kh * s_kh
             tl.store(kdst + d, y1.to(k_cache_ptr.dtype.element_ty), mask=dm)
             tl.store(kdst + half + d, y2.to(k_cache_ptr.dtype.element_ty), mask=dm)
@@ -170,7 +172,7 @@ def _qk_norm_rope_store_kernel(
             v2 = tl.load(vrow + half + d, mask=dm, other=0.0)
             if QUANT:
                 v1, v2 = _quantize_head(v1.to(tl.float32), v2.to(tl.float32),
-                                        vs_ptr + blk * s_vsb + off * s_vso + kh * s_vsh)
+                                        vs_ptr + blk * s_vsb + off * s_vso + kh * s_vsh, INT8)
             tl.store(vdst + d, v1.to(v_cache_ptr.dtype.element_ty), mask=dm)
             tl.store(vdst + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=dm)
 
@@ -193,7 +195,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     query_store = query_slot_mapping is not None
     qc = query_cache if query_store else q
     qc_strides = (query_cache.stride(0), query_cache.stride(1)) if query_store else (0, 0)
-    quant = fp8_cache(k_scales, v_scales)
+    quant = quantized_cache(k_scales, v_scales)
     scales = (k_scales, v_scales) if quant else (q, q)  # unused pointers without QUANT
     scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6
     _qk_norm_rope_store_kernel[(tokens, q_heads + kv_heads)](
@@ -202,6 +204,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q.stride(0), q.stride(1),
         *qc_strides, *scale_strides,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
-        BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, QUANT=quant, num_warps=1,
+        BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, QUANT=quant,
+        INT8=int8_codes(k_cache), num_warps=1,
     )
     return q

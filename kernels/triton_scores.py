@@ -21,9 +21,9 @@ ELEMENTWISE_BLOCK = 1024
 @triton.jit
 def _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width, scale_log2,
                         s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h, q_dtype: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr):
     """Keys of logical positions t of one sequence (1-D block table) -> ([len(t), D_PAD], valid, the
-    factor of their logits q @ k^T: scale_log2, times each key's scale ([1, len(t)]) in an fp8 cache,
+    factor of their logits q @ k^T: scale_log2, times each key's scale ([1, len(t)]) in an 8-bit cache,
     whose codes come as q_dtype)."""
     col = t // BLOCK_SIZE
     blk = tl.load(table_ptr + col * s_t, mask=t_ok & (col < table_width), other=-1).to(tl.int64)
@@ -33,7 +33,7 @@ def _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_w
     k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + kvh * s_kh + d[None, :] * s_kd,
                 mask=ok[:, None] & d_ok[None, :], other=0.0)
     logit_scale = scale_log2
-    if FP8:
+    if QUANT:
         k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, ok, ss_b, ss_o, ss_h, q_dtype)
         logit_scale = (k_scales * scale_log2)[None, :]
     return k, ok, logit_scale
@@ -46,7 +46,7 @@ def _window_stats_kernel(
     s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h,
     W: tl.constexpr, W_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    R: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+    R: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Softmax row statistics (base-2 max and sum) of every (query head, window query) of one kv
     head over one split of the keys. Rows r = g * W_PAD + i."""
@@ -60,7 +60,7 @@ def _window_stats_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + i[:, None] * s_qw + (kvh * GROUP + g)[:, None] * s_qh + d[None, :] * s_qd,
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    if not FP8:  # (fp8 codes are converted to the query's dtype instead)
+    if not QUANT:  # (8-bit codes are converted to the query's dtype instead)
         q = q.to(k_ptr.dtype.element_ty)
     q_pos = kv_len - W + i
     m_i = tl.full([R], float("-inf"), tl.float32)
@@ -71,7 +71,7 @@ def _window_stats_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         k, ok, logit_scale = _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t < end, d, d_ok,
                                                  table_width, scale_log2, s_t, s_kb, s_ko, s_kh, s_kd,
-                                                 ss_b, ss_o, ss_h, q_ptr.dtype.element_ty, BLOCK_SIZE, FP8)
+                                                 ss_b, ss_o, ss_h, q_ptr.dtype.element_ty, BLOCK_SIZE, QUANT)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
         s = tl.where(ok[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_i, l_i, _, _ = softmax_fold(s, m_i, l_i)
@@ -87,7 +87,7 @@ def _window_scores_kernel(
     s_qw, s_qh, s_qd, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h, s_oh, s_ot,
     W: tl.constexpr, W_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    R: tl.constexpr, NS_PAD: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+    R: tl.constexpr, NS_PAD: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One (kv head, key tile): normalised probabilities of every window query of every head of the
     group, max over the group's heads, mean over the window."""
@@ -98,7 +98,7 @@ def _window_scores_kernel(
     d_ok = d < HEAD_DIM
     k, ok, logit_scale = _load_keys_1d_table(k_ptr, ks_ptr, table_ptr, kvh, t, t_ok, d, d_ok, table_width,
                                              scale_log2, s_t, s_kb, s_ko, s_kh, s_kd, ss_b, ss_o, ss_h,
-                                             q_ptr.dtype.element_ty, BLOCK_SIZE, FP8)
+                                             q_ptr.dtype.element_ty, BLOCK_SIZE, QUANT)
     i = tl.arange(0, W_PAD)
     i_ok = i < W
     q_pos = kv_len - W + i
@@ -108,7 +108,7 @@ def _window_scores_kernel(
     best = tl.zeros([W_PAD, BLOCK_N], tl.float32)
     for g in tl.static_range(GROUP):
         q = tl.load(q_ptr + i[:, None] * s_qw + (kvh * GROUP + g) * s_qh + d[None, :] * s_qd,
-                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(k.dtype)  # fp8: k is in q's dtype
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(k.dtype)  # 8-bit codes: k is in q's dtype
         stat = (kvh * num_splits + sp)[:, None] * R + g * W_PAD + i[None, :]  # [NS_PAD, W_PAD]
         m_part = tl.load(m_ptr + stat, mask=sp_ok[:, None], other=float("-inf"))
         l_part = tl.load(l_ptr + stat, mask=sp_ok[:, None], other=0.0)
@@ -141,9 +141,9 @@ def window_attention_score(window_queries: torch.Tensor, k_cache: torch.Tensor, 
     rows = g_pad * w_pad
     m_buf = torch.empty((kv_heads, num_splits, rows), dtype=torch.float32, device=device)
     l_buf = torch.empty_like(m_buf)
-    ks, ss_b, ss_o, ss_h, fp8, prec = cache_args(window_queries, k_cache, k_scales)
+    ks, ss_b, ss_o, ss_h, quant, prec = cache_args(window_queries, k_cache, k_scales)
     common = dict(W=w, W_PAD=w_pad, GROUP=group, G_PAD=g_pad, R=rows, HEAD_DIM=head_dim, D_PAD=d_pad,
-                  BLOCK_SIZE=block_size, BLOCK_N=block_n, PREC=prec, FP8=fp8)
+                  BLOCK_SIZE=block_size, BLOCK_N=block_n, PREC=prec, QUANT=quant)
     table = block_table.reshape(-1)
     scale_log2 = float(scale) * LOG2E
     _window_stats_kernel[(kv_heads, num_splits)](

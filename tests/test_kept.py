@@ -48,8 +48,8 @@ def engine_on(**knobs):
 
 class KeyRecord:
     """Every key a request's cache was written with, by token position (what the cache held right after
-    each step wrote it), found through the block table and KV length alone. In an fp8 cache a key is
-    its codes and its K and V scales: compaction moves all three and never re-quantizes."""
+    each step wrote it), found through the block table and KV length alone. In an 8-bit cache (fp8 or
+    int8) a key is its codes and its K and V scales: compaction moves all three and never re-quantizes."""
 
     def __init__(self, engine, seq):
         self.engine, self.seq = engine, seq
@@ -57,7 +57,7 @@ class KeyRecord:
         self.seen = 0
 
     def _read(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[layers, len(slots), kv_heads, head_dim] keys, and in fp8 [layers, 2, len(slots), kv_heads] scales."""
+        """[layers, len(slots), kv_heads, head_dim] keys, and when 8-bit [layers, 2, len(slots), kv_heads] scales."""
         keys = read_kv(self.engine, slots)[:, 0].cpu()
         scales = self.engine.runner.kv_scales
         return (keys,) if scales is None else (keys, scales.flatten(2, 3)[:, :, slots].cpu())
@@ -81,7 +81,7 @@ class KeyRecord:
                 assert len(positions) == seq.kv_len
                 expected = torch.stack([self.keys[p][0][layer, head] for p in positions])
                 assert torch.equal(held[0][layer, :, head], expected), (layer, head)
-                if len(held) > 1:  # fp8: each entry's K and V scales came with it
+                if len(held) > 1:  # 8-bit: each entry's K and V scales came with it
                     scales = torch.stack([self.keys[p][1][layer, :, head] for p in positions], dim=1)
                     assert torch.equal(held[1][layer, :, :, head], scales), (layer, head)
 
@@ -245,9 +245,11 @@ def test_after_compression_each_head_holds_its_budget_and_the_right_keys(case):
 
 def test_positions_follow_the_entries_through_many_compressions_and_baselines():
     for knobs in (dict(num_sink_tokens=1), dict(eviction="recent", num_sink_tokens=2), dict(eviction="random"),
-                  dict(kv_cache_dtype="fp8")):
+                  dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="int8")):
         engine = engine_on(**knobs)
         try:
+            if "kv_cache_dtype" in knobs:  # the keys compared are codes (torch.equal on the raw dtype)
+                assert engine.runner.kv_dtype_name == knobs["kv_cache_dtype"] and engine.runner.kv_quantized
             seqs = [engine.add_request(prompt(n, seed=n), greedy(150)) for n in (9, 30)]
             records = [KeyRecord(engine, s) for s in seqs]
             step_until(engine, lambda: all(s.times_compressed >= 4 for s in seqs), records)

@@ -34,7 +34,8 @@ def alone(model_path, prompt, max_tokens, **knobs) -> list[int]:
     (2, 10, 20, "auto"),   # A's prompt (90 tokens) is over the budget: compressed right after its prefill
     (4, 10, 20, "auto"),
     (8, 2, 80, "auto"),    # A's prompt fits; A is compressed during decode, several times
-    (8, 2, 80, "fp8"),     # a cached fp8 block keeps its scales
+    (8, 2, 80, "fp8"),     # a cached 8-bit block keeps its scales
+    (8, 2, 80, "int8"),
 ])
 def test_a_later_request_is_served_the_prefix_of_a_compressed_one(model_path, budget, a_suffix, a_tokens, kv_dtype):
     prefix = random_prompts(1, [5 * BS], seed=budget)[0]

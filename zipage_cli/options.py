@@ -18,8 +18,8 @@ KNOB_HELP = {
     "dtype": "float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).",
     "weight_dtype": "auto: a quantized GGUF runs as stored on the CPU (Q4_0/Q4_1/Q4_K as int4); "
                     "float32 or bfloat16: dequantize every weight to that dtype.",
-    "kv_cache_dtype": "auto: K and V in the model's dtype; fp8: float8 e4m3 with a scale per entry, half the "
-                      "bytes of bf16, so twice the tokens per GiB.",
+    "kv_cache_dtype": "auto: K and V in the model's dtype; fp8 (float8 e4m3) or int8: codes with a scale per "
+                      "entry, half the bytes of bf16, so twice the tokens per GiB.",
     "cpu_threads": "Intra-op threads of the engine on the CPU (default: chosen for the machine).",
     "compression": "Bound each request's KV cache (off = full-KV baseline).",
     "block_size": "Tokens per KV block (default 256 on GPU, 32 on CPU).",

@@ -24,6 +24,7 @@ from zipage.engine.execution.token_logprobs import PROMPT_ROWS_AT_ONCE, PromptSc
 from zipage.engine.scheduling.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}  # kv_cache_dtype -> the codes' dtype
 CPU_KV_SHARE_OF_RAM = 0.2  # never take more than this share of available RAM for KV on CPU
 CPU_KV_CAP_BYTES = 2 << 30
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly
@@ -104,10 +105,10 @@ class ModelRunner:
         self.workers = None  # rank 0 under tensor parallelism: the TensorParallelWorkers handle
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, config.weight_dtype)
-        # K and V as stored: the model's dtype, or float8 codes with a float32 scale per entry and
-        # KV head (docs/design-notes.md, "KV in 8 bits").
-        self.kv_fp8 = config.kv_cache_dtype == "fp8"
-        self.kv_dtype = torch.float8_e4m3fn if self.kv_fp8 else self.dtype
+        # K and V as stored: the model's dtype, or 8-bit codes (fp8 or int8) with a float32 scale per
+        # entry and KV head (docs/design-notes.md, "KV in 8 bits").
+        self.kv_dtype = KV_CODE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.kv_quantized = self.kv_dtype in KV_CODE_DTYPES.values()
         self.block_size = block_size
         self.max_model_len = max_model_len
         hf = source.hf_config
@@ -189,18 +190,18 @@ class ModelRunner:
     # -- memory ------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V (and their scales in fp8), plus under
+        """Bytes of one block across all layers: K and V (and their scales when 8-bit), plus under
         compression its score cache and each entry's position and ranking score (docs/design-notes.md,
         "What a request still holds")."""
-        elem = torch.finfo(self.kv_dtype).bits // 8
-        per_entry = self.head_dim * elem + (4 if self.kv_fp8 else 0)  # a float32 scale per entry and head
+        per_entry = self.head_dim * self.kv_dtype.itemsize + (4 if self.kv_quantized else 0)  # + a float32 scale
         per_token = 2 * self.num_kv_heads * per_entry + (12 * self.num_kv_heads if self.compression else 0)
         return self.num_layers * self.block_size * per_token
 
     @property
     def kv_dtype_name(self) -> str:
-        """How K and V are stored, in short: fp8, bf16, fp16 or fp32."""
-        return {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.kv_dtype, "fp32")
+        """How K and V are stored, in short: fp8, int8, bf16, fp16 or fp32."""
+        names = {torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        return names.get(self.kv_dtype, "fp32")
 
     @property
     def query_slot_bytes(self) -> int:
@@ -216,11 +217,11 @@ class ModelRunner:
 
     def _new_cache(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K/V blocks [layers, 2, blocks, block_size, kv_heads, head_dim] in the cache dtype, and their
-        scales [layers, 2, blocks, block_size, kv_heads] when the cache is fp8 (None otherwise), stored
+        scales [layers, 2, blocks, block_size, kv_heads] when the cache is 8-bit (None otherwise), stored
         [.., kv_heads, block_size]: decode attention reads one head's scales of a block in one run."""
         shape = (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim)
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        if not self.kv_fp8:
+        if not self.kv_quantized:
             return cache, None
         scales = torch.ones((*shape[:3], self.num_kv_heads, self.block_size), dtype=torch.float32, device=self.device)
         return cache, scales.transpose(-1, -2)

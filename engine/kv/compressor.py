@@ -185,7 +185,7 @@ class Compressor:
         # Each entry's position moves with it, and each kept entry records the score that ranked it
         # (docs/design-notes.md, "What a request still holds").
         for layer in range(runner.num_layers):
-            cache = runner.layer_cache(layer)  # K/V blocks and, in fp8, their scales
+            cache = runner.layer_cache(layer)  # K/V blocks and, when 8-bit, their scales
             k_cache, k_scales = cache["k_cache"], cache["k_scales"]
             tables = (runner.position_cache[layer], runner.choice_cache[layer])
             if cfg.eviction != "score":
@@ -200,7 +200,7 @@ class Compressor:
                 attention = kernels.global_score_merge(attention, previous, num_scored, cfg.global_decay)
             final = attention
             if cfg.use_redundancy:
-                # fp8 keys come back as float32 values: in the model's dtype the similarity products
+                # 8-bit keys come back as float32 values: in the model's dtype the similarity products
                 # run on tensor cores (float32 ones took 150x longer on the H200)
                 keys = kernels.gather_kv(k_cache, table, kv_len, k_scales).to(runner.dtype).transpose(0, 1)
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,

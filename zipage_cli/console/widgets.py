@@ -393,7 +393,7 @@ class Gauges(Vertical):
         self.slots.set(pool.query_slots_used, pool.query_slots_total,
                        f"{pool.query_slots_used}/{pool.query_slots_total}")
         kv_used = mem.kv * pool.used / pool.total if pool.total else 0
-        self.kv.label = f"KV {mem.kv_dtype}".strip()  # fp8 holds twice the tokens of bf16 per byte
+        self.kv.label = f"KV {mem.kv_dtype}".strip()  # 8-bit codes hold twice the tokens of bf16 per byte
         self.kv.set(kv_used, mem.kv, f"{fmt_bytes(kv_used)}/{fmt_bytes(mem.kv)}")
         self.memory.set(mem.device_used, mem.device_total,
                         f"{fmt_bytes(mem.device_used)}/{fmt_bytes(mem.device_total)}")

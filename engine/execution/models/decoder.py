@@ -179,7 +179,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # an fp8 cache's scales as the kernels take them, by keyword; empty for a cache in the model's
+        # an 8-bit cache's scales as the kernels take them, by keyword; empty for a cache in the model's
         # dtype (docs/design-notes.md, "KV in 8 bits")
         self.cache_scales: dict[str, torch.Tensor] = {}
 
