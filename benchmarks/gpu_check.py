@@ -1076,7 +1076,15 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
         ref.store_kv(key, value, caches[0][0], caches[0][1], slots, k_scales=caches[0][2], v_scales=caches[0][3])
         triton_cache.store_kv(key, value, caches[1][0], caches[1][1], slots, k_scales=caches[1][2], v_scales=caches[1][3])
         codes = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(caches[0][:2], caches[1][:2]))
-        report.check(f"{name} store_kv: codes", float(codes), 0, f"{tokens} tokens, codes differing", exact=True)
+        if name == "fp8":
+            report.check(f"{name} store_kv: codes", float(codes), 0, f"{tokens} tokens, codes differing", exact=True)
+        else:  # torch's CUDA division and Triton's IEEE one can part by an ulp, and a code at a rounding
+            # boundary with it: codes one step apart, rarely (measured: 91 of 393,216 on an H200)
+            steps = max(int((a.int() - b.int()).abs().max()) for a, b in zip(caches[0][:2], caches[1][:2]))
+            total = 2 * tokens * s.kv_heads * s.head_dim
+            report.check(f"{name} store_kv: codes", float(codes) / total, 1e-3,
+                         f"{tokens} tokens: {codes} of {total} codes differ, by at most {steps} step(s)")
+            report.check(f"{name} store_kv: code steps", float(steps), 1.5, "largest difference, in codes (at most 1)")
         report.check(f"{name} store_kv: scales", max(rel_err(b, a) for a, b in zip(caches[0][2:], caches[1][2:])), 1e-6)
         # The fused QK-norm + RoPE + store, against the reference on the same bf16 inputs.
         width = (s.q_heads + 2 * s.kv_heads) * s.head_dim
@@ -1087,7 +1095,8 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
         fused = [[torch.zeros(shape, dtype=fp8, device=dev) for _ in range(2)]
                  + [torch.zeros(shape[:-1], device=dev) for _ in range(2)] for _ in range(2)]
         for impl, (kc, vc, ks, vs) in ((ref.qk_norm_rope_store, fused[0]), (triton_fused.qk_norm_rope_store, fused[1])):
-            impl(qkv, cos, sin, norm_w, norm_w, 1e-6, kc, vc, slots, None, None, k_scales=ks, v_scales=vs)
+            impl(qkv, cos, sin, norm_w, norm_w, 1e-6, kc, vc, slots, None, None, k_scales=ks, v_scales=vs,
+                 hadamard_qk=name == "int8")  # as the engine stores an int8 cache
         values = [ref.dequantize(c, sc) for c, sc in ((fused[0][0], fused[0][2]), (fused[1][0], fused[1][2]))]
         report.check(f"{name} qk_norm_rope_store: keys", rel_err(values[1], values[0]), 0.07,
                      "dequantized keys, Triton against the reference (one code step where bf16 rounding differs)")

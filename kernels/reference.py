@@ -13,6 +13,8 @@ model's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -33,6 +35,18 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     if not dtype.is_floating_point:
         codes = codes.round()
     return codes.to(dtype), scales
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (n a power of 2), float32: a rotation that
+    spreads each channel over all of them. Blocks: H_n = [[A, A], [A, -A]] with A = H_(n/2) / sqrt(2)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-2 size, not {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n ** 0.5).to(device)
 
 
 def dequantize(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -325,14 +339,17 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None,
-                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                       hadamard_qk: bool = False) -> torch.Tensor:
     """Everything between the QKV projection and attention, for one layer.
 
     qkv [tokens, (q_heads + 2 * kv_heads) * head_dim] is split into q, k, v; q and k get the per-head
     RMSNorm (when q_norm/k_norm are given, Qwen3) and the rotary embedding (cos, sin: [tokens,
     head_dim] float, each token's rows of the tables); k and v are stored into their cache slots (-1
     skips; quantized when k_scales, v_scales are given) and q into its query-cache row when
-    query_slot_mapping is given (-1 skips).
+    query_slot_mapping is given (-1 skips). hadamard_qk: q and k leave rotated by `hadamard`, which
+    leaves every q·k as it was and spreads a key's outlier channels before an int8 cache quantizes it
+    (docs/design-notes.md, "KV in 8 bits").
     Returns q [tokens, q_heads, head_dim] in qkv's dtype (a view).
     """
     tokens = qkv.shape[0]
@@ -344,6 +361,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         qk = torch.cat((rms_norm(qk[:, :q_heads], q_norm, eps), rms_norm(qk[:, q_heads:], k_norm, eps)), dim=1)
     # q and k heads rotate together: the same elementwise ops on one tensor, half the op count.
     qk = _rotate(qk, cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :])
+    if hadamard_qk:
+        qk = (qk.float() @ hadamard(head_dim, qk.device)).to(qkv.dtype)
     q, k = qk[:, :q_heads], qk[:, q_heads:]
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     if query_slot_mapping is not None:

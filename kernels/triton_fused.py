@@ -7,10 +7,13 @@ once on the store, so in bf16 results differ from the reference only by that rou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from zipage.kernels.reference import hadamard
 from zipage.kernels.triton_attention import next_pow2
 from zipage.kernels.triton_cache import code_scale, int8_codes, quantize_codes, quantized_cache
 
@@ -110,17 +113,18 @@ def _quantize_head(x1, x2, scale_ptr, INT8: tl.constexpr):
 @triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
-    k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, qc_ptr, qslot_ptr, ks_ptr, vs_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, qc_ptr, qslot_ptr, ks_ptr, vs_ptr, had_ptr,
     s_t, s_cos, s_sin, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_qt, s_qh, s_qcr, s_qch,
     s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr, QUANT: tl.constexpr,
-    INT8: tl.constexpr,
+    INT8: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head when h < Q_HEADS, else a key head whose value
     head it also stores. The head is read as two halves, the pairs RoPE rotates together. With
     QUANT (an 8-bit cache; int8 codes with INT8) K and V are quantized per head and their scales
-    stored beside them."""
+    stored beside them. HADAMARD: after RoPE the head is rotated by reference.hadamard(HEAD_DIM), whose
+    blocks are one matrix A (had_ptr, [HEAD_DIM / 2] squared): [y1, y2] -> [(y1 + y2) A, (y1 - y2) A]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -145,6 +149,9 @@ def _qk_norm_rope_store_kernel(
     s = tl.load(sin_ptr + t * s_sin + d, mask=dm, other=0.0)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
+    if HADAMARD:  # (a power-of-2 head: no masked lanes)
+        a = tl.load(had_ptr + d[:, None] * half + d[None, :])
+        y1, y2 = tl.sum((y1 + y2)[:, None] * a, axis=0), tl.sum((y1 - y2)[:, None] * a, axis=0)
     if is_q:
         dst = q_out_ptr + t * s_qt + h * s_qh
         tl.store(dst + d, y1.to(q_out_ptr.dtype.element_ty), mask=dm)
@@ -177,11 +184,18 @@ def _qk_norm_rope_store_kernel(
             tl.store(vdst + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=dm)
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard_block(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The top-left block of the rotation: the kernel builds the rest from it."""
+    return hadamard(head_dim, device)[:head_dim // 2, :head_dim // 2].contiguous()
+
+
 def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        query_cache: torch.Tensor | None, query_slot_mapping: torch.Tensor | None,
-                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                       hadamard_qk: bool = False) -> torch.Tensor:
     tokens = qkv.shape[0]
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     q_heads = qkv.shape[1] // head_dim - 2 * kv_heads
@@ -198,13 +212,14 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     quant = quantized_cache(k_scales, v_scales)
     scales = (k_scales, v_scales) if quant else (q, q)  # unused pointers without QUANT
     scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6
+    had = _hadamard_block(head_dim, qkv.device) if hadamard_qk else q
     _qk_norm_rope_store_kernel[(tokens, q_heads + kv_heads)](
         qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, eps,
-        k_cache, v_cache, slot_mapping, q, qc, query_slot_mapping if query_store else slot_mapping, *scales,
+        k_cache, v_cache, slot_mapping, q, qc, query_slot_mapping if query_store else slot_mapping, *scales, had,
         qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q.stride(0), q.stride(1),
         *qc_strides, *scale_strides,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
         BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, QUANT=quant,
-        INT8=int8_codes(k_cache), num_warps=1,
+        INT8=int8_codes(k_cache), HADAMARD=hadamard_qk, num_warps=1,
     )
     return q

@@ -48,6 +48,7 @@ def test_the_pool_holds_blocks_by_bytes(model_path):
     try:
         full = engines["auto"].runner
         assert full.kv_cache.dtype == torch.float32 and full.kv_scales is None and not full.kv_quantized
+        assert not full.rotates_qk
         assert engines["auto"].snapshot().memory.kv_dtype == full.kv_dtype_name == "fp32"
         layers, heads, dim, bs = full.num_layers, full.num_kv_heads, full.head_dim, full.block_size
         extra = 12 * heads  # score, position and choice per entry and head under compression
@@ -56,6 +57,10 @@ def test_the_pool_holds_blocks_by_bytes(model_path):
         for name, codes in KV_8BIT.items():
             runner = engines[name].runner
             assert runner.kv_quantized and runner.kv_dtype == runner.kv_cache.dtype == codes
+            # int8 keys are stored rotated (a power-of-2 head): every attention layer says so to its store
+            assert runner.rotates_qk == (name == "int8")
+            assert all(a.qk_rotation == ({"hadamard_qk": True} if name == "int8" else {})
+                       for a in runner.model.attention_layers)
             assert runner.kv_scales.shape == runner.kv_cache.shape[:-1] and runner.kv_scales.dtype == torch.float32
             assert runner.block_bytes == layers * bs * (2 * heads * (dim + 4) + extra)
             assert runner.num_blocks / full.num_blocks > 2.0  # head_dim 16 here: the scales cost a fifth

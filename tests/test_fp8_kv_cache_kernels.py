@@ -415,3 +415,55 @@ def test_compact_kv_8bit_overlapping(kv_heads, block_size, head_dim, with_tables
         for after, exp in zip(tables, exp_tables):
             assert torch.equal(after, exp)
         assert torch.equal(position_cache[dst[:, None], heads], before[5][src.t(), heads])
+
+
+def test_hadamard_is_an_orthonormal_rotation_of_power_of_2_heads():
+    for n in (1, 2, 16, 64, 128):
+        h = ref.hadamard(n)
+        assert h.shape == (n, n) and h.dtype == torch.float32
+        torch.testing.assert_close(h @ h.T, torch.eye(n), rtol=0, atol=1e-6)
+        assert bool((h.abs() == n ** -0.5).all())  # every channel spread evenly over all of them
+    for n in (0, 48, 96):
+        with pytest.raises(ValueError, match="power-of-2"):
+            ref.hadamard(n)
+
+
+@pytest.mark.parametrize("head_dim,norm", [(64, True), (128, False)])
+def test_qk_norm_rope_store_rotated_keeps_every_logit(head_dim, norm):
+    """hadamard_qk: the Triton kernel's rotated q, query-cache rows and int8 K/V codes against the
+    reference's; and in both, every q·k (prefill attention over what was stored) is what it was
+    without the rotation, while the stored keys themselves differ."""
+    gen = torch.Generator().manual_seed(5 + head_dim)
+    tokens, kv_heads, group, block_size = 9, 2, 2, 16
+    q_heads = kv_heads * group
+    qkv, cos, sin = rope_inputs(tokens, q_heads, kv_heads, head_dim, gen)
+    weights = [torch.rand(head_dim, generator=gen) + 0.5 if norm else None for _ in range(2)]
+    slots = torch.randperm(2 * block_size, generator=gen)[:tokens]
+    shape = (2, block_size, kv_heads, head_dim)
+
+    def store(impl, codes_dtype, rotate):
+        k = torch.zeros(shape, dtype=codes_dtype)
+        v = torch.zeros_like(k)
+        scales = {} if codes_dtype == torch.float32 else dict(k_scales=torch.ones(shape[:3]), v_scales=torch.ones(shape[:3]))
+        qcache = torch.zeros(tokens, q_heads, head_dim)
+        q = impl(qkv, cos, sin, *weights, 1e-6, k, v, slots, qcache, torch.arange(tokens), hadamard_qk=rotate, **scales)
+        return q, qcache, k, v, scales
+
+    q, qcache, k, v, scales = store(tfused.qk_norm_rope_store, INT8, True)
+    q_ref, qcache_ref, k_ref, v_ref, scales_ref = store(ref.qk_norm_rope_store, INT8, True)
+    torch.testing.assert_close(q, q_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(qcache, q)
+    assert torch.equal(v, v_ref)  # values are not rotated
+    assert bool(((k.int() - k_ref.int()).abs() <= 1).all())  # float32 sums in another order: a tie may part
+    torch.testing.assert_close(scales["k_scales"], scales_ref["k_scales"], rtol=1e-5, atol=0)
+
+    # The rotation leaves attention as it was (float32 caches: no rounding in between).
+    table = torch.arange(2, dtype=torch.int32)[None].expand(tokens, 2).contiguous()
+    ctx = torch.full((tokens,), 2 * block_size, dtype=torch.int32)
+    outs, keys = [], []
+    for rotate in (False, True):
+        q32, _, k32, v32, _ = store(ref.qk_norm_rope_store, torch.float32, rotate)
+        keys.append(k32)
+        outs.append(ref.paged_decode_attention(q32, k32, v32, table, ctx, head_dim ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(keys[0], keys[1])

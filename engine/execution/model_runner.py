@@ -198,6 +198,12 @@ class ModelRunner:
         return self.num_layers * self.block_size * per_token
 
     @property
+    def rotates_qk(self) -> bool:
+        """Whether q and k are rotated by a Hadamard matrix before an int8 cache stores k (a head size
+        of a power of 2 only; docs/design-notes.md, "KV in 8 bits")."""
+        return self.kv_dtype == torch.int8 and self.head_dim & (self.head_dim - 1) == 0
+
+    @property
     def kv_dtype_name(self) -> str:
         """How K and V are stored, in short: fp8, int8, bf16, fp16 or fp32."""
         names = {torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -231,6 +237,7 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
             attn.cache_scales = {"k_scales": scales[i, 0], "v_scales": scales[i, 1]} if scales is not None else {}
+            attn.qk_rotation = {"hadamard_qk": True} if self.rotates_qk else {}
 
     def layer_cache(self, layer: int) -> dict:
         """One layer's K/V blocks and scales, as the kernels take them (k_cache, v_cache, k_scales, v_scales)."""

@@ -182,6 +182,8 @@ class Attention(nn.Module):
         # an 8-bit cache's scales as the kernels take them, by keyword; empty for a cache in the model's
         # dtype (docs/design-notes.md, "KV in 8 bits")
         self.cache_scales: dict[str, torch.Tensor] = {}
+        # {"hadamard_qk": True} when q and k are rotated before an int8 cache stores k (same note)
+        self.qk_rotation: dict[str, bool] = {}
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -198,7 +200,7 @@ class Attention(nn.Module):
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
             batch.query_cache[self.layer_index] if store_queries else None,
-            batch.query_slot_mapping if store_queries else None, **scales)
+            batch.query_slot_mapping if store_queries else None, **scales, **self.qk_rotation)
         if batch.num_decode:  # a mixed step: decode attention for the decoders, prefill for the chunks
             nd = batch.num_decode
             out = torch.cat([
