@@ -401,3 +401,27 @@ def test_bad_weights_name_the_model_folder(tmp_path, change, match):
     with pytest.raises(ValueError, match=match) as err:
         LLM(str(tmp_path), device="cpu", num_kv_blocks=8)
     assert str(tmp_path.resolve()) in str(err.value)
+
+
+def test_a_new_gguf_header_is_read_once_for_config_and_tokenizer(smol, default_gguf, monkeypatch, tmp_path):
+    """The first resolve of a GGUF (nothing converted yet) builds its config and tokenizer from one
+    read of the header, and they are what transformers builds from two."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    reads = []
+    real_read = gguf_utils.load_gguf_checkpoint
+
+    def counted(path, *args, **kwargs):
+        reads.append(str(path))
+        return real_read(path, *args, **kwargs)
+
+    _use_cache(monkeypatch, tmp_path / "empty-cache", default_gguf)  # no converted copy: the parse path
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    source = resolve_model(str(default_gguf))
+    assert reads == [str(default_gguf)]
+    assert gguf_utils.load_gguf_checkpoint is counted  # put back as it was
+    config, expected = source.hf_config.to_dict(), smol.source.hf_config.to_dict()
+    differing = {k for k in config.keys() | expected.keys() if config.get(k) != expected.get(k)}
+    assert differing <= {"_name_or_path"}  # the folder it was read from may differ
+    text = "<|im_start|>user\nHow do tides work? ünïcode 🌊<|im_end|>"
+    assert source.tokenizer.encode(text) == smol.source.tokenizer.encode(text)

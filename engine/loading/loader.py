@@ -10,6 +10,8 @@ from its weights (the CPU's packed int4 forms) is kept beside that copy (`ModelS
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -295,12 +297,42 @@ def _resolve_gguf(path: Path, name: str) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with _gguf_header_read_once():
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # the GGUF reader fails in many ways (struct, reshape, key errors) on bad files
         raise ValueError(f"could not read GGUF file {str(path)!r} (corrupt or truncated?): {err}") from err
     _check_family(config, str(path))
     return ModelSource(name, config, tokenizer, str(path), lambda: _convert_gguf(path, config, tokenizer, converted))
+
+
+@contextlib.contextmanager
+def _gguf_header_read_once():
+    """transformers reads a GGUF's whole header (every field and the vocabulary) for the config and
+    again for the tokenizer, 7-8 s each on a 2-core CPU the first time a file is met. Within this
+    block each later read of the same file is a copy of the first (callers may change what they get)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        read = gguf_utils.load_gguf_checkpoint
+    except (ImportError, AttributeError):  # another transformers: read as it reads
+        yield
+        return
+    seen = {}
+
+    def read_once(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        try:
+            if key not in seen:
+                seen[key] = read(path, *args, **kwargs)
+        except TypeError:  # an argument that cannot be a key: nothing to share
+            return read(path, *args, **kwargs)
+        return copy.deepcopy(seen[key])
+
+    gguf_utils.load_gguf_checkpoint = read_once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = read
 
 
 def _converted_dir(gguf: Path) -> Path:
