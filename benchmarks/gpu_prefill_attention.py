@@ -192,7 +192,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also time the candidate launch shapes")
     p.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     p.add_argument("--ttft", default="", help="comma-separated prompt lengths for the first-token runs")
-    p.add_argument("--before", default=None, help="a file holding an earlier kernels/triton_attention.py to compare")
+    p.add_argument("--before", default=None, help="a file holding an earlier zipage_kernels/triton_attention.py to compare")
     args = parse_args(p, argv)
     gen = torch.Generator(device="cuda").manual_seed(1)
     shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}

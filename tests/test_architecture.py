@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"zipage.engine": ROOT / "engine", "zipage.cli": ROOT / "zipage_cli", "zipage.kernels": ROOT / "kernels"}
+FOLDERS = {"zipage.engine": ROOT / "engine", "zipage.cli": ROOT / "zipage_cli", "zipage.kernels": ROOT / "zipage_kernels"}
 # Higher rooms may import lower ones (and their own), never the other way. The shared modules at the
 # engine's top (config, sequence, events, latency) sit below every room.
 ENGINE_LAYERS = ["api", "core", "execution", "scheduling", "kv", "loading", ""]

@@ -1,4 +1,4 @@
-"""The compression kernels of kernels/reference.py (scoring, selection, compaction) against naive
+"""The compression kernels of zipage_kernels/reference.py (scoring, selection, compaction) against naive
 references written here from the definitions in docs/design-notes.md ("The score"). Loops over heads, queries and
 tokens are deliberate: they are slow but obviously right at these sizes."""
 

@@ -1,4 +1,4 @@
-"""kernels/reference.py against naive dense attention computed from unpaged K/V.
+"""zipage_kernels/reference.py against naive dense attention computed from unpaged K/V.
 
 Each case builds per-sequence dense K/V, scatters them into a paged cache through a shuffled
 block table (padded with -1), and checks the paged kernels against a straightforward

@@ -1,8 +1,10 @@
 """Zipage: an LLM inference engine whose KV cache per request stays bounded.
 
-The folders `engine/`, `kernels/`, `zipage_cli/` and `themes/` of the source tree install as
+The folders `engine/`, `zipage_kernels/`, `zipage_cli/` and `themes/` of the source tree install as
 `zipage.engine`, `zipage.kernels`, `zipage.cli` and `zipage.themes`, so no generic top-level name
-(`kernels`, `themes`) is claimed in a user's environment."""
+(`kernels`, `themes`) is claimed in a user's environment; and the kernels' folder is not `kernels/`,
+which from the source tree's root would shadow the installed package of that name (transformers
+imports it)."""
 
 import importlib
 
