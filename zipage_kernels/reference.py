@@ -14,6 +14,7 @@ model's dtype.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -102,26 +103,52 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return entries if scales is None else dequantize(entries, scales[blocks].flatten(0, 1)[:length])
 
 
+@dataclass(frozen=True)
+class DecodeReads:
+    """What a decode batch reads from the cache, the same in every layer of a forward, so the CPU
+    path works it out once (`decode_reads`): the blocks to read (flat, int64), the entries of each
+    row that attention sees (`length`), and the additive mask [batch, 1, 1, length] hiding each
+    row's entries past its context (None when every row sees all `length`: one sequence)."""
+
+    blocks: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+
+
+def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 dtype: torch.dtype = torch.float32) -> DecodeReads:
+    """The reads of paged_decode_attention for these tables and lengths (the mask in `dtype`)."""
+    batch, width = block_tables.shape
+    table = block_tables.long()
+    if batch == 1:  # read exactly the context's blocks, no mask, unless the table has holes there
+        length = int(context_lens[0])
+        blocks = table[0, :-(-length // block_size)]
+        if not bool((blocks < 0).any()):
+            return DecodeReads(blocks, length, None)
+    positions = torch.arange(width * block_size, device=table.device)
+    visible = positions[None, :] < context_lens[:, None].to(positions.device)
+    visible &= (table >= 0).repeat_interleave(block_size, dim=1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill_(~visible, float("-inf"))
+    return DecodeReads(table.clamp(min=0).flatten(), width * block_size, mask[:, None, None, :])
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, k_scales: torch.Tensor | None = None,
-                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scales: torch.Tensor | None = None, reads: DecodeReads | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     query [batch, q_heads, head_dim]; context_lens [batch] (KV entries, the new token's included).
+    reads: `decode_reads` of these tables and lengths, when the caller has them (one per forward).
     Returns [batch, q_heads, head_dim] in the query's dtype.
     """
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = block_tables.shape[1]
-    table = block_tables.long()
-    flat = table.clamp(min=0).flatten()
+    if reads is None:
+        reads = decode_reads(block_tables, context_lens, block_size, query.dtype)
     # [batch, tokens, kv_heads, head_dim], read through the block table
-    keys = _read_blocks(k_cache, k_scales, flat).view(batch, width * block_size, kv_heads, head_dim)
-    values = _read_blocks(v_cache, v_scales, flat).view(batch, width * block_size, kv_heads, head_dim)
-    positions = torch.arange(width * block_size, device=query.device)
-    visible = positions[None, :] < context_lens[:, None].to(positions.device)
-    visible &= (table >= 0).repeat_interleave(block_size, dim=1)
+    keys = _read_blocks(k_cache, k_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)[:, :reads.length]
+    values = _read_blocks(v_cache, v_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)[:, :reads.length]
     # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
     # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
     # CPU, SDPA's masked GQA path is several times slower than this).
@@ -130,7 +157,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim),
         keys.transpose(1, 2).to(query.dtype).contiguous(), values.transpose(1, 2).to(query.dtype).contiguous(),
-        attn_mask=visible[:, None, None, :], scale=scale)
+        attn_mask=reads.mask, scale=scale)
     return out.reshape(batch, q_heads, head_dim)
 
 

@@ -45,11 +45,24 @@ class ForwardBatch:
         # layer, as fresh tensors: a view at offset num_decode would change the pointers' alignment
         # from step to step, and Triton compiles a variant per alignment.
         self.chunk_cu_seqlens = self.chunk_block_tables = self.chunk_context_lens = None
+        self._decode_reads: dict | None = None
         if self.num_decode:
             nd = self.num_decode
             self.chunk_cu_seqlens = self.cu_seqlens_q[nd:] - nd
             self.chunk_block_tables = self.block_tables[nd:].clone()
             self.chunk_context_lens = self.context_lens[nd:].clone()
+
+    def decode_reads(self, k_cache: torch.Tensor, dtype: torch.dtype) -> dict:
+        """{"reads": ...} for the CPU decode attention of this forward's decoding sequences (the
+        blocks and mask every layer reads alike, worked out by the first layer); {} on CUDA, whose
+        kernels read the tables themselves."""
+        if k_cache.is_cuda:
+            return {}
+        if self._decode_reads is None:
+            rows = self.num_decode or self.block_tables.shape[0]
+            self._decode_reads = {"reads": kernels.decode_reads(self.block_tables[:rows], self.context_lens[:rows],
+                                                                k_cache.shape[1], dtype)}
+        return self._decode_reads
 
 
 class Linear(nn.Linear):
@@ -205,7 +218,8 @@ class Attention(nn.Module):
             nd = batch.num_decode
             out = torch.cat([
                 kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, batch.block_tables[:nd],
-                                               batch.context_lens[:nd], self.scale, **scales),
+                                               batch.context_lens[:nd], self.scale, **scales,
+                                               **batch.decode_reads(self.k_cache, q.dtype)),
                 kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.chunk_block_tables,
                                           batch.chunk_cu_seqlens, batch.chunk_context_lens, self.scale, **scales)])
         elif batch.is_prefill:
@@ -213,7 +227,8 @@ class Attention(nn.Module):
                                             batch.cu_seqlens_q, batch.context_lens, self.scale, **scales)
         else:
             out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
-                                                 batch.context_lens, self.scale, **scales)
+                                                 batch.context_lens, self.scale, **scales,
+                                                 **batch.decode_reads(self.k_cache, q.dtype))
         return out.reshape(tokens, self.q_size)
 
 
