@@ -25,9 +25,12 @@ from torch import nn
 
 from zipage.engine.loading.gguf_tensors import FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, GroupedCodes, QuantizedTensor
 
-# The int4 kernel computes 4 rows per pass and re-decodes the weights each pass: on a 2-core AVX2
-# CPU it beat oneDNN's packed fp32 product up to 4 rows and lost from 5 on (8x at 16 rows).
-INT4_MAX_ROWS = 4
+# The int4 kernel re-decodes the weights for every few rows, so past some rows oneDNN's packed fp32
+# copy wins; where, depends on torch's CPU capability. On a 2-core AVX2 EPYC int4 beat it up to 4 rows
+# and lost from 5 on (8x at 16 rows); on a 2-core AVX-512 Xeon, over SmolLM2's 30 layers of weights,
+# up to 16 rows (28 against 33 ms) and lost at 24 (docs/benchmarks.md, "Quantized weights on the CPU").
+INT4_MAX_ROWS_BY_CAPABILITY = {"AVX512": 16}
+INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 4)
 
 
 class Int4Weight(nn.Module):
@@ -41,7 +44,7 @@ class Int4Weight(nn.Module):
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        return x.shape[0] <= INT4_MAX_ROWS
+        return x.shape[0] <= INT4_MAX_ROWS  # read at each call: a benchmark may change it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
