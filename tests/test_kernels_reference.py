@@ -82,26 +82,28 @@ def test_paged_decode_attention_matches_dense(heads, kv_heads, head_dim, block_s
 
 def test_decode_reads_worked_out_once_serve_every_layer_alike():
     """A forward works out its reads once (decode_reads) and every layer passes them in: the same
-    output as reading the tables in each call, for a batch (masked) and for one sequence alone (its
-    exact blocks, no mask; a table with a hole inside the context falls back to the mask)."""
+    output as reading the tables in each call, for a batch and for one sequence alone (only its
+    context's blocks; a table with a hole inside the context masks it, as in a batch). A sequence's
+    output is bit-for-bit the same alone as in the batch: outputs must not depend on batching."""
     lengths = [1, 17, 35, 32, 5]
     case = PagedCase(lengths, 2, 64, 16, seed=21)
     q = torch.randn(len(lengths), 8, 64, generator=case.gen)
     lens = torch.tensor(lengths, dtype=torch.int32)
     reads = reference.decode_reads(case.tables, lens, 16)
-    assert reads.mask is not None and reads.mask.shape == (5, 1, 1, case.tables.shape[1] * 16)
+    assert reads.mask.shape == (5, 1, 1, case.tables.shape[1] * 16)
     batched = reference.paged_decode_attention(q, case.k_cache, case.v_cache, case.tables, lens, 0.125, reads=reads)
-    torch.testing.assert_close(batched, reference.paged_decode_attention(q, case.k_cache, case.v_cache,
-                                                                         case.tables, lens, 0.125))
+    assert torch.equal(batched, reference.paged_decode_attention(q, case.k_cache, case.v_cache, case.tables, lens, 0.125))
     for i, n in enumerate(lengths):
         alone = reference.decode_reads(case.tables[i:i + 1], lens[i:i + 1], 16)
-        assert alone.mask is None and alone.length == n and alone.blocks.tolist() == case.tables[i, :-(-n // 16)].tolist()
+        whole = -(-n // 16)
+        assert alone.length == whole * 16 and alone.blocks.tolist() == case.tables[i, :whole].tolist()
+        assert alone.mask.isinf().sum() == whole * 16 - n
         one = reference.paged_decode_attention(q[i:i + 1], case.k_cache, case.v_cache, case.tables[i:i + 1],
                                                lens[i:i + 1], 0.125, reads=alone)
-        torch.testing.assert_close(one, batched[i:i + 1])
+        assert torch.equal(one, batched[i:i + 1]), i
     holed = case.tables[2:3].clone()
     holed[0, 1] = -1  # entries 16..31 unreadable: masked, as in a batch
-    assert reference.decode_reads(holed, lens[2:3], 16).mask is not None
+    assert reference.decode_reads(holed, lens[2:3], 16).mask.isinf().sum() > 0
 
 
 def test_paged_decode_attention_ignores_cache_beyond_context():

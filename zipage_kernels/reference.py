@@ -106,13 +106,15 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 @dataclass(frozen=True)
 class DecodeReads:
     """What a decode batch reads from the cache, the same in every layer of a forward, so the CPU
-    path works it out once (`decode_reads`): the blocks to read (flat, int64), the entries of each
-    row that attention sees (`length`), and the additive mask [batch, 1, 1, length] hiding each
-    row's entries past its context (None when every row sees all `length`: one sequence)."""
+    path works it out once (`decode_reads`): the blocks to read (flat, int64), the entries read per
+    row (`length`, whole blocks), and the additive mask [batch, 1, 1, length] hiding each row's
+    entries past its context or in a hole. Always whole blocks under a mask: SDPA's CPU kernel
+    gives the same bits for a row whatever masked blocks trail it, so a sequence's output does not
+    depend on what it is batched with; unmasked or cut mid-block, it rounds differently."""
 
     blocks: torch.Tensor
     length: int
-    mask: torch.Tensor | None
+    mask: torch.Tensor
 
 
 def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -120,11 +122,9 @@ def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     """The reads of paged_decode_attention for these tables and lengths (the mask in `dtype`)."""
     batch, width = block_tables.shape
     table = block_tables.long()
-    if batch == 1:  # read exactly the context's blocks, no mask, unless the table has holes there
-        length = int(context_lens[0])
-        blocks = table[0, :-(-length // block_size)]
-        if not bool((blocks < 0).any()):
-            return DecodeReads(blocks, length, None)
+    if batch == 1:  # read only the context's blocks
+        table = table[:, :-(-int(context_lens[0]) // block_size)]
+        width = table.shape[1]
     positions = torch.arange(width * block_size, device=table.device)
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)

@@ -327,8 +327,9 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, k_scales: torch.Tensor | None = None,
-                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence against its paged context (see kernels.reference)."""
+                           v_scales: torch.Tensor | None = None, reads=None) -> torch.Tensor:
+    """One query token per sequence against its paged context (see kernels.reference). The kernel
+    walks the block tables itself, so the CPU path's precomputed `reads` are not used."""
     return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
                                        k_scales=k_scales, v_scales=v_scales)
 
