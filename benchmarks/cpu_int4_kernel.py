@@ -2,10 +2,14 @@
 
     python benchmarks/cpu_int4_kernel.py                  # SmolLM2's gate/up shape, one thread
     python benchmarks/cpu_int4_kernel.py --rows 1,4,5,16 --out 576 --in 1536 --threads 2
+    python benchmarks/cpu_int4_kernel.py --layers 30 --threads 2    # a whole SmolLM2's layer products
 
 Why a quantized layer runs int4 only for products of a few rows (docs/design-notes.md, "Quantized
 CPU weights"). Best of 7 calls per product, after one untimed call; the int4 side is
-`_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path).
+`_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path). One weight
+stays in the CPU's caches from call to call; with --layers N, every timed call runs the products of
+N layers of SmolLM2's shapes (fused q/k/v, o, fused gate/up, down), each weight its own, so the
+weights stream from memory as in a decode step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import argparse
 import time
 
 import torch
+
+SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate/up, down
 
 
 def best_ms(fn, calls: int = 7) -> float:
@@ -26,26 +32,42 @@ def best_ms(fn, calls: int = 7) -> float:
     return 1000 * best
 
 
+def weights(out: int, inp: int, gen: torch.Generator) -> tuple:
+    """One weight in both forms: packed int4 codes with bf16 scales-and-zeros, packed fp32."""
+    codes = torch.randint(0, 16, (out, inp), dtype=torch.int32, generator=gen)
+    packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_zeros = torch.randn(inp // 32, out, 2, generator=gen).bfloat16()
+    packed32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out, inp, generator=gen), None)
+    return inp, packed4, scales_zeros, packed32
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
     p.add_argument("--out", type=int, default=3072, help="output features (SmolLM2's gate/up: 3072)")
     p.add_argument("--in", dest="inp", type=int, default=576, help="input features, a multiple of 32")
+    p.add_argument("--layers", type=int, default=0, help="time N layers of SmolLM2's products instead of one weight")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (args.out, args.inp), dtype=torch.int32, generator=gen)
-    packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales_zeros = torch.randn(args.inp // 32, args.out, 2, generator=gen).bfloat16()
-    packed32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(args.out, args.inp, generator=gen), None)
-    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), "
-          f"weight {args.out} x {args.inp}")
+    shapes = SMOLLM2_LAYER * args.layers if args.layers else [(args.out, args.inp)]
+    forms = [weights(out, inp, gen) for out, inp in shapes]
+    what = f"{args.layers} layers of SmolLM2's products" if args.layers else f"weight {args.out} x {args.inp}"
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), {what}")
     for rows in (int(r) for r in args.rows.split(",")):
-        x = torch.randn(rows, args.inp, generator=gen)
-        xb = x.bfloat16()
-        int4 = best_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed4, 32, scales_zeros))
-        fp32 = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed32, None, "none", [], ""))
+        x = {inp: torch.randn(rows, inp, generator=gen) for inp in {inp for _, inp in shapes}}
+        xb = {inp: v.bfloat16() for inp, v in x.items()}
+
+        def int4_products():
+            for inp, packed4, scales_zeros, _ in forms:
+                torch.ops.aten._weight_int4pack_mm_for_cpu(xb[inp], packed4, 32, scales_zeros)
+
+        def fp32_products():
+            for inp, _, _, packed32 in forms:
+                torch.ops.mkldnn._linear_pointwise(x[inp], packed32, None, "none", [], "")
+
+        int4, fp32 = best_ms(int4_products), best_ms(fp32_products)
         print(f"{rows:4d} rows: int4 {int4:7.2f} ms   packed fp32 {fp32:7.2f} ms   int4/fp32 {int4 / fp32:5.2f}")
 
 

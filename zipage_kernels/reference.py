@@ -106,14 +106,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 @dataclass(frozen=True)
 class DecodeReads:
     """What a decode batch reads from the cache, the same in every layer of a forward, so the CPU
-    path works it out once (`decode_reads`): the blocks to read (flat, int64), the entries read per
-    row (`length`, whole blocks), and the additive mask [batch, 1, 1, length] hiding each row's
-    entries past its context or in a hole. Always whole blocks under a mask: SDPA's CPU kernel
+    path works it out once (`decode_reads`): the blocks to read (flat, int64; the same number for
+    every row) and the additive mask [batch, 1, 1, entries read per row] hiding each row's entries
+    past its context or in a hole. Always whole blocks under a mask: SDPA's CPU kernel
     gives the same bits for a row whatever masked blocks trail it, so a sequence's output does not
     depend on what it is batched with; unmasked or cut mid-block, it rounds differently."""
 
     blocks: torch.Tensor
-    length: int
     mask: torch.Tensor
 
 
@@ -129,7 +128,7 @@ def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill_(~visible, float("-inf"))
-    return DecodeReads(table.clamp(min=0).flatten(), width * block_size, mask[:, None, None, :])
+    return DecodeReads(table.clamp(min=0).flatten(), mask[:, None, None, :])
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,16 +146,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if reads is None:
         reads = decode_reads(block_tables, context_lens, block_size, query.dtype)
     # [batch, tokens, kv_heads, head_dim], read through the block table
-    keys = _read_blocks(k_cache, k_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)[:, :reads.length]
-    values = _read_blocks(v_cache, v_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)[:, :reads.length]
+    keys = _read_blocks(k_cache, k_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)
+    values = _read_blocks(v_cache, v_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)
     # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
     # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
-    # CPU, SDPA's masked GQA path is several times slower than this).
-    # K/V made contiguous in SDPA's layout: with strided K/V and a mask, the CPU kernel is up to
-    # 50x slower when its threads compete for cores.
+    # CPU, SDPA's masked GQA path is several times slower than this). K/V stay strided views of
+    # what was read: SDPA's CPU kernel takes them as they are, in half the time of a copy first.
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim),
-        keys.transpose(1, 2).to(query.dtype).contiguous(), values.transpose(1, 2).to(query.dtype).contiguous(),
+        keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
         attn_mask=reads.mask, scale=scale)
     return out.reshape(batch, q_heads, head_dim)
 
