@@ -140,7 +140,8 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
 
     script = tmp_path / "serve.py"
     script.write_text(
-        "import time\n"
+        "import faulthandler, signal\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on stderr, should it hang\n"
         "from zipage.engine import LLM, SamplingParams\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({tiny_path!r}, device='cpu', tensor_parallel_size=2)\n"
@@ -154,7 +155,13 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
         assert worker_pids, proc.stderr.read()
         time.sleep(1.0)  # let it serve a little
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("rank 0 did not exit on SIGINT; its threads were:\n" + proc.communicate()[1][-8000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
