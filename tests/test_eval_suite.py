@@ -14,6 +14,7 @@ from eval_fixtures import _one_thread, _private_cache  # noqa: F401 (autouse)
 from zipage.cli.eval import common as ec
 from zipage.cli.eval import fidelity, needle, recall, vartrack
 from zipage.cli.main import app
+from zipage.engine.config import EngineConfig
 from zipage.engine.loading.loader import resolve_model
 
 NEVER = ec.parse_budgets("400%")  # a budget larger than any sample: compression never runs
@@ -63,7 +64,7 @@ def test_elastic_budgets_in_a_pool_of_a_given_share(tiny_path):
     assert ec.pool_blocks(requests, 16, 1) == 3 + 1 and ec.pool_blocks(requests, 16, 0.5) == 2
 
 
-def test_full_kv_is_computed_once_and_reused(tiny_path, tmp_path):
+def test_full_kv_is_computed_once_and_reused(tiny_path, tmp_path, monkeypatch):
     kw = dict(block_size=16, window=4, budgets=NEVER, configurations=["default"])
     TINY_RUNS["recall"](tiny_path, **kw)
     cached = list((tmp_path / "cache").glob("recall-*.pt"))
@@ -73,6 +74,10 @@ def test_full_kv_is_computed_once_and_reused(tiny_path, tmp_path):
     assert cached[0].stat().st_mtime_ns == stamp
     TINY_RUNS["recall"](tiny_path, split="selection", **kw)  # other samples: another reference
     assert len(list((tmp_path / "cache").glob("recall-*.pt"))) == 2
+    # Other default weights (float32, as before quantized CPU weights) key another reference.
+    monkeypatch.setattr(EngineConfig, "weight_dtype", "float32")
+    TINY_RUNS["recall"](tiny_path, **kw)
+    assert len(list((tmp_path / "cache").glob("recall-*.pt"))) == 3
 
 
 def test_partial_results_are_written_as_cells_finish(tiny_path, tmp_path):

@@ -238,8 +238,20 @@ def tokens_of(requests: list[Request]) -> int:
 
 
 # -- the full-KV reference cache ---------------------------------------------------------------
+# The engine defaults full KV runs its numbers with: part of the cache key, so a reference computed
+# on other weights (float32 before quantized CPU weights were the default) never serves a later run.
+REFERENCE_NUMBERS = ("weight_dtype", "dtype", "kv_cache_dtype")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ZIPAGE_EVAL_CACHE", Path.home() / ".cache" / "zipage" / "eval"))
+
+
+def reference_key(task: Task, source, block_size: int, device: str) -> dict:
+    """What full KV's results depend on: the model file, the engine's numbers, the samples."""
+    return {"model": model_identity(source), "block_size": block_size, "device": device,
+            "numbers": {k: getattr(EngineConfig, k) for k in REFERENCE_NUMBERS},
+            "samples": [[(r.prompt, r.forced, r.free_tokens) for r in g] for g in task.groups], **task.reference_key}
 
 
 def cached_reference(task: str, key: dict, build):
@@ -388,9 +400,7 @@ def evaluate(task: Task, source, model: str, configurations: list[str], budgets:
                         progress.task(f"{task.name}: full KV", tokens))
         return {"outputs": cell["outputs"], "observed": cell["observed"], "seconds": cell["seconds"]}
 
-    key = {"model": model_identity(source), "block_size": block_size, "device": device,
-           "samples": [[(r.prompt, r.forced, r.free_tokens) for r in g] for g in task.groups], **task.reference_key}
-    reference = cached_reference(task.name, key, build_reference)
+    reference = cached_reference(task.name, reference_key(task, source, block_size, device), build_reference)
     full = (task.full_kv_metrics(reference) if task.full_kv_metrics
             else task.score(reference["outputs"], reference["observed"], reference))
     results["rows"].append({"configuration": FULL_KV, "overrides": {"compression": False},
