@@ -158,10 +158,12 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGUSR1)
+            workers = {pid: _state(pid) for pid in worker_pids}
+            os.killpg(proc.pid, signal.SIGUSR1)  # rank 0 and the workers print their stacks
             time.sleep(2)
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("rank 0 did not exit on SIGINT; its threads were:\n" + proc.communicate()[1][-8000:])
+            pytest.fail(f"rank 0 did not exit on SIGINT; workers {workers}; the stacks:\n"
+                        + proc.communicate()[1][-12000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -169,6 +171,17 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
     while time.time() < deadline and any(_running(pid) for pid in worker_pids):
         time.sleep(0.2)
     assert not any(_running(pid) for pid in worker_pids), "a worker outlived the engine"
+
+
+def _state(pid: int) -> str:
+    """A process's state letter and what it waits in (wchan), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return f"{state} {f.read()}"
+    except FileNotFoundError:
+        return "gone"
 
 
 def _running(pid: int) -> bool:

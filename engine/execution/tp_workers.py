@@ -12,6 +12,7 @@ process exits (Ctrl-C included: they ignore it themselves and follow rank 0), an
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import signal
@@ -46,9 +47,16 @@ def _join_group(rank: int, size: int, port: int, device: str):
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=STARTUP_TIMEOUT)
-    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    # The group's threads take their signal mask from the thread that starts them. Started with
+    # SIGINT blocked, a Ctrl-C never interrupts a transfer in one of them (rank 0's own thread still
+    # gets it): an interrupted transfer could leave the ranks a collective apart, each waiting.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=STARTUP_TIMEOUT)
+        return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class TensorParallelWorkers:
@@ -134,6 +142,7 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, model_sp
     # collectives of one forward and leave rank 0 blocked in the next one for good; so workers
     # ignore it and follow rank 0, which stops them (or whose exit terminates them).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # SIGUSR1 prints where a worker waits
     torch.set_num_threads(max(1, threads))
     ready.put(rank)
     control = _join_group(rank, size, port, config.device)
