@@ -477,12 +477,9 @@ class ModelRunner:
         if prompt is not None:
             header["prompt_rows"] = prompt.rows
         inputs_from = self._inputs_from(batch, previous) if previous is not None else None
-        if self.workers is None:
-            logits = self.forward_packed(packed, header, inputs_from, prompt)
-        else:
-            with self.workers.lockstep():  # Ctrl-C waits for the step's collectives (tp_workers)
-                self.workers.send("forward", packed, header)
-                logits = self.forward_packed(packed, header, inputs_from, prompt)
+        if self.workers is not None:
+            self.workers.send("forward", packed, header)
+        logits = self.forward_packed(packed, header, inputs_from, prompt)
         step = LaunchedStep(batch, sampling, prompt=prompt)
         if logits is not None:
             requests = [(batch.seqs[i].params, batch.seqs[i].token_ids, batch.seqs[i].generator) for i in sampling]

@@ -12,7 +12,6 @@ process exits (Ctrl-C included: they ignore it themselves and follow rank 0), an
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import queue
@@ -100,25 +99,12 @@ class TensorParallelWorkers:
                         "A script that uses tensor_parallel_size > 1 must create the engine under "
                         "`if __name__ == \"__main__\":`, since every worker re-imports it")
 
-    @staticmethod
-    @contextlib.contextmanager
-    def lockstep():
-        """Hold Ctrl-C off this thread while the ranks exchange data: a SIGINT that interrupted a
-        transfer could lose it and leave both ranks waiting in the same collective. A pending one is
-        delivered when the block ends, between two steps."""
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            yield
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
     def send(self, *command) -> None:
         """Send one command to every other rank (they run it in the order sent)."""
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker {', '.join(dead)} has stopped; restart the engine")
-        with self.lockstep():
-            dist.broadcast_object_list([command], src=0, group=self.control)
+        dist.broadcast_object_list([command], src=0, group=self.control)
 
     def gather_kept(self, slots: list[int], mine: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +112,7 @@ class TensorParallelWorkers:
         own `mine` and each other rank's answer to a "kept" command (ModelRunner.read_kept)."""
         self.send("kept", slots)
         parts = [None] * self.size
-        with self.lockstep():
-            dist.gather_object(mine, parts, dst=0, group=self.control)
+        dist.gather_object(mine, parts, dst=0, group=self.control)
         return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
 
     def close(self) -> None:
