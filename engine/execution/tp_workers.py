@@ -47,16 +47,9 @@ def _join_group(rank: int, size: int, port: int, device: str):
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    # The group's threads take their signal mask from the thread that starts them. Started with
-    # SIGINT blocked, a Ctrl-C never interrupts a transfer in one of them (rank 0's own thread still
-    # gets it): an interrupted transfer could leave the ranks a collective apart, each waiting.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=STARTUP_TIMEOUT)
-        return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=STARTUP_TIMEOUT)
+    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
 
 class TensorParallelWorkers:
