@@ -62,7 +62,13 @@ def exit_on_interrupt(clean_up: Callable[[], None] = lambda: None) -> Iterator[N
     try:
         yield
     except KeyboardInterrupt:
-        clean_up()
+        # A second Ctrl+C must not break the clean-up; the handler is put back after it, since the
+        # command may run inside a longer-lived process (tests), whose children inherit an ignored SIGINT.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            clean_up()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         raise typer.Exit(INTERRUPTED)
 
 
@@ -151,7 +157,6 @@ def _answer(service, prompt: str, params, raw: bool, system: str | None, stats: 
     handle = None
 
     def abort() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not break the clean-up
         if handle is not None:
             service.abort(handle)
 
