@@ -149,7 +149,7 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
         "    while True:\n"
         "        llm.generate([1, 2, 3], SamplingParams(max_tokens=8))\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_default_sigint)
     try:
         worker_pids = [int(p) for p in proc.stdout.readline().split()]
         assert worker_pids, proc.stderr.read()
@@ -162,7 +162,8 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
             os.killpg(proc.pid, signal.SIGUSR1)  # rank 0 and the workers print their stacks
             time.sleep(2)
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"rank 0 did not exit on SIGINT; workers {workers}; the stacks:\n"
+            pytest.fail(f"rank 0 did not exit on SIGINT; workers {workers}; signals of this process "
+                        f"{_signals(os.getpid())}; the stacks:\n"
                         + proc.communicate()[1][-12000:])
     finally:
         if proc.poll() is None:
@@ -171,6 +172,21 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
     while time.time() < deadline and any(_running(pid) for pid in worker_pids):
         time.sleep(0.2)
     assert not any(_running(pid) for pid in worker_pids), "a worker outlived the engine"
+
+
+def _default_sigint() -> None:
+    """The child starts as from a terminal, with Ctrl-C at its default, whatever this process
+    (pytest, after many tests) has ignored or blocked: children inherit both."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signals(pid: int) -> str:
+    """The blocked and ignored signal masks of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
 
 
 def _state(pid: int) -> str:
