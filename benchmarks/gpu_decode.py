@@ -17,6 +17,7 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
 --budget-policy fixed|elastic sets the engine's budget policy (with --compression 1); the interactive
 rows count the compressions (pool_compressions: those run because the pool was short) and preemptions.
 --variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
+fused-no-pdl (the same, products launched without programmatic dependent launch),
 unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
 kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
 products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
@@ -48,13 +49,14 @@ def use_variant(variant: str) -> None:
     from zipage.kernels import reference, triton_cache, triton_linear, triton_ops
 
     if not COMMITTED:
-        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS)
+        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=triton_linear.PDL)
     triton_ops.register()
     kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
+    triton_linear.PDL = COMMITTED["pdl"] and variant != "fused-no-pdl"
     if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
         kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS
         triton_linear.FOLD_MAX_ROWS = triton_linear.MAX_ROWS if variant == "folded" else 0
-    if variant in ("fused", "unfolded", "folded"):
+    if variant in ("fused", "fused-no-pdl", "unfolded", "folded"):
         return
     if variant not in ("cublas", "reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")

@@ -2,7 +2,7 @@
 and the bandwidth reached on the bytes read (codes, scales and block tables' worth of K/V).
 
     python3 benchmarks/gpu_decode_tiles.py --json out.json
-    python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4
+    python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4 --warps 2,4
 
 Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each 8-bit
 case is checked against the reference on the same codes before it is timed.
@@ -22,7 +22,8 @@ def cases(args):
         batch, context = (int(x) for x in shape.split("x"))
         for tile in (int(x) for x in args.tiles.split(",")):
             for ways in args.ways.split(","):
-                yield batch, context, tile, None if ways == "auto" else int(ways)
+                for warps in args.warps.split(","):
+                    yield batch, context, tile, None if ways == "auto" else int(ways), None if warps == "auto" else int(warps)
 
 
 def main(argv=None) -> dict:
@@ -30,6 +31,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="64x2000,256x2000,1x8000", help="BATCHxCONTEXT, comma-separated")
     parser.add_argument("--tiles", default="64,128", help="keys per step of the decode loop")
     parser.add_argument("--ways", default="auto,2,4", help="split-K partitions (auto: the engine's choice)")
+    parser.add_argument("--warps", default="auto", help="warps per program (auto: the engine's choice per cache)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -48,7 +50,7 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     results = {**bench_common.device_description(dev), "args": vars(args), "rows": []}
     heads, dim = args.kv_heads, args.head_dim
-    for batch, context, tile, ways in cases(args):
+    for batch, context, tile, ways, warps in cases(args):
         k, v, tables = random_paged_cache([context] * batch, args.block_size, heads, dim, gen,
                                           randn=lambda shape: torch.randn(shape, device=dev, dtype=torch.bfloat16))
         tables = tables.to(dev)
@@ -67,14 +69,15 @@ def main(argv=None) -> dict:
         def attend(cache):
             return lambda: triton_attention.paged_decode_attention_impl(
                 query, cache["k_cache"], cache["v_cache"], tables, ctx, scale, num_partitions=ways, block_n=tile,
-                k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"))
+                k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"), num_warps=warps)
 
         plain = dict(k_cache=k, v_cache=v)
         for label, cache, nbytes in (("bf16", plain, entries * dim * 2 * 2),
                                      ("fp8", coded["fp8"], entries * (dim + 4) * 2),
                                      ("int8", coded["int8"], entries * (dim + 4) * 2)):
             call = attend(cache)
-            row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto"}
+            row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
+                   "warps": warps or triton_attention.decode_warps(label != "bf16")}
             if label != "bf16":
                 expected = ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **cache)

@@ -255,12 +255,17 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _decode_tile(block_size: int, codes: bool = False) -> int:
+def _decode_tile(block_size: int) -> int:
     """Keys per step of the decode loop. 64 for every block size: with smaller blocks a tile spans
-    several blocks (block ids gathered per token), with larger ones it stays inside one block. An
-    8-bit cache takes 128: the same bytes per load as bf16's 64, 15% faster on the H200 at batch 64
-    (docs/benchmarks.md, "KV in 8 bits")."""
-    return 128 if codes else 64
+    several blocks (block ids gathered per token), with larger ones it stays inside one block."""
+    return 64
+
+
+def decode_warps(codes: bool) -> int:
+    """Warps per decode program: 4, or 2 for an 8-bit cache, whose products and conversions per
+    byte are twice bf16's; 2 warps were 4-11% faster than 4 (and than 128-key tiles) on the H200
+    across the shapes of docs/benchmarks.md, "KV in 8 bits"."""
+    return 2 if codes else 4
 
 
 def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
@@ -278,9 +283,10 @@ def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_siz
 
 def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
                                 num_partitions: int | None = None, min_partition: int | None = None,
-                                block_n: int | None = None, k_scales=None, v_scales=None):
+                                block_n: int | None = None, k_scales=None, v_scales=None,
+                                num_warps: int | None = None, num_stages: int = 2):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
-    shortest partition in tokens (a multiple of the key tile) and the key tile."""
+    shortest partition in tokens (a multiple of the key tile), the key tile, warps and stages."""
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
@@ -288,7 +294,8 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    tile = block_n or _decode_tile(block_size, k_cache.dtype in CODE_DTYPES)
+    tile = block_n or _decode_tile(block_size)
+    num_warps = num_warps or decode_warps(k_cache.dtype in CODE_DTYPES)
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
     if min_partition is None:
@@ -313,7 +320,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _decode_reduce_kernel[(batch, q_heads)](

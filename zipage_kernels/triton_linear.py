@@ -19,6 +19,8 @@ cuBLAS (after the fused elementwise kernels).
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,31 @@ def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
     return Config(block_n, block_k, split)
 
 
+# Programmatic dependent launch (Hopper on): a product's programs start while the kernel before it
+# finishes, ask L2 for their first weights, and wait for x there. Only products of at most this many
+# bytes launch so (Qwen3-0.6B's: 7% off its chain of products); larger ones (Qwen3-8B's) ran no
+# faster or slower that way (docs/benchmarks.md, "Products that start early"). PDL is the switch
+# for comparisons.
+PDL = True
+PDL_MAX_BYTES = 16 << 20
+PDL_PREFETCH_LINES = 16  # 128-byte lines of each weight row asked for before the wait
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_prefetch_lines(weight: torch.Tensor) -> int:
+    """Weight lines per row a product asks L2 for before it waits on the kernel before it, or -1
+    where it launches the plain way (PDL off, a large product, no Hopper, the interpreter)."""
+    dev = weight.device
+    if (not PDL or dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or weight.numel() * weight.element_size() > PDL_MAX_BYTES):
+        return -1
+    return PDL_PREFETCH_LINES if _device_has_pdl(dev.index if dev.index is not None else torch.cuda.current_device()) else -1
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 
@@ -111,6 +138,13 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, PREC: tl.constexpr):
     return acc
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ptrs (one request per element), without waiting for them."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])  # one binary for 1-16 rows
 def _skinny_kernel(
     x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -118,7 +152,7 @@ def _skinny_kernel(
     s_xm, s_rm, s_sm, s_wn, s_ym,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, DOT: tl.constexpr,
     PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0,
 ):
     """Program (n, s): output columns n * BLOCK_N.. of every row, over K columns s * k_split.. .
 
@@ -140,6 +174,15 @@ def _skinny_kernel(
     kk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if PDL:
+        # Launched while the kernel before it finishes: fetch the first of this program's weights
+        # (which no kernel writes) towards L2, wait for that kernel's x, then let the next product in.
+        if PF_LINES > 0:
+            line: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            cols = k_lo + tl.arange(0, PF_LINES) * line
+            prefetch_l2(w_rows + tl.minimum(cols, k_hi - 1)[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if DOT:
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     else:
@@ -242,7 +285,8 @@ def _counter_buffer(device: torch.device) -> torch.Tensor | None:
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int = PLAIN,
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                  eps: float = 0.0, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  eps: float = 0.0, config: Config | None = None,
+                  pdl: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x' @ weight.T + bias, the residual sum or None) for x [M <= MAX_ROWS, K'] where x' is x
     through the prologue (K' = 2K for SILU_MUL). x's rows must be contiguous; the sum is a new tensor."""
     rows = x.shape[0]
@@ -254,6 +298,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("skinny_matmul needs unit stride along K")
     cfg = config or pick_config(n, k, rows, x.device)
+    pdl = pdl_prefetch_lines(weight) if pdl is None else pdl
     split = cfg.split_k
     tiles = triton.cdiv(n, cfg.block_n)
     counters = _counter_buffer(x.device) if split > 1 and tiles <= COUNTER_SLOTS else None
@@ -276,6 +321,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         PROLOGUE=prologue, HAS_BIAS=bias is not None, M_PAD=16 if cfg.dot else next_pow2(rows),
         DOT=cfg.dot, PREC=dot_precision(x.dtype), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"PDL": True, "PF_LINES": pdl, "launch_pdl": True} if pdl >= 0 else {}),
     )
     return y, summed
 
