@@ -357,7 +357,7 @@ class ModelRunner:
                 slots += [table[j // bs] * bs + j % bs for j in range(kv, kv + n)]
             if self.compression:
                 rows = self.geometry.window_rows(seq, kv, n)
-                any_query = any_query or any(r >= 0 for r in rows)
+                any_query = any_query or max(rows) >= 0
                 query_rows += rows
             context_lens.append(kv + n)
             cu.append(cu[-1] + n)

@@ -91,8 +91,13 @@ class CompressionGeometry:
         return not self.elastic and not seq.is_compressed and seq.num_prompt_tokens > self.budget_tokens_of(seq)
 
     def next_point(self, seq) -> int:
-        """The KV length at which `seq` is compressed next under a fixed budget."""
-        return seq.num_prompt_tokens if self.compresses_prompt(seq) else self.trigger_len_of(seq)
+        """The KV length at which `seq` is compressed next under a fixed budget: its prompt's length
+        when compresses_prompt, else trigger_len_of. Spelled out in one place (the scheduler and the
+        batch packing ask it of every decoding request on every step)."""
+        budget = (seq.kv_budget or self.budget_blocks) * self.block_size
+        if not self.elastic and seq.times_compressed == 0 and seq.num_prompt_tokens > budget:
+            return seq.num_prompt_tokens
+        return budget + self.block_size
 
     def window_start(self, seq) -> int:
         """First KV index whose query belongs to the next compression's window (fixed budgets)."""
