@@ -93,5 +93,11 @@ def test_geometry_points():
     assert g.next_point(long) == TRIGGER
     long.query_slot = 2
     assert [g.window_row(long, j) for j in (43, 44, 47, 48)] == [-1, 2 * 4 + 0, 2 * 4 + 3, -1]
+    # A request's own budget: 4 blocks (64 entries), so a 70-token prompt is compressed at 70, and
+    # every later compression at (4 + 1) * 16; a 50-token prompt waits for the trigger.
+    own, own_short = (Sequence(list(range(n)), SamplingParams(kv_budget=4)) for n in (70, 50))
+    assert (g.compresses_prompt(own), g.next_point(own), g.next_point(own_short)) == (True, 70, 80)
+    own.times_compressed = 1
+    assert (g.compresses_prompt(own), g.next_point(own), g.trigger_len_of(own)) == (False, 80, 80)
     with pytest.raises(ValueError, match="window"):
         CompressionGeometry.from_config(EngineConfig(device="cpu", window=16), 16)
