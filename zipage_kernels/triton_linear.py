@@ -94,7 +94,9 @@ PDL_PREFETCH_LINES = 16  # 128-byte lines of each weight row asked for before th
 
 @functools.lru_cache(maxsize=None)
 def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+    """NVIDIA Hopper or later (ROCm reports its own capabilities through the same call)."""
+    return (torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 def pdl_prefetch_lines(weight: torch.Tensor) -> int:
