@@ -3,6 +3,8 @@ processes give the same greedy tokens as one, with full KV and with compression.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -133,7 +135,6 @@ def test_a_stopped_rank_is_a_clear_error(tiny_path):
 def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
     """SIGINT to the whole process group (what Ctrl-C does) ends rank 0 and every worker."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -177,8 +178,6 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path, tiny_path):
 def _default_sigint() -> None:
     """The child starts as from a terminal, with Ctrl-C at its default, whatever this process
     (pytest, after many tests) has ignored or blocked: children inherit both."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

@@ -33,6 +33,9 @@ CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)  # an 8-bit cache's codes (kerne
 # Decode: below this many (sequence, kv head) programs per SM we split long contexts (split-K).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_PARTITION = 256  # tokens: no partition is shorter (a multiple of the key tile)
+# Keys per step of the decode loop, for every block size: with smaller blocks a tile spans several
+# blocks (block ids gathered per token), with larger ones it stays inside one block.
+DECODE_TILE = 64
 REDUCE_CHUNK = 16  # partitions combined per step of the reduce kernel
 
 
@@ -255,12 +258,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _decode_tile(block_size: int) -> int:
-    """Keys per step of the decode loop. 64 for every block size: with smaller blocks a tile spans
-    several blocks (block ids gathered per token), with larger ones it stays inside one block."""
-    return 64
-
-
 def decode_warps(codes: bool) -> int:
     """Warps per decode program: 4, or 2 for an 8-bit cache, whose products and conversions per
     byte are twice bf16's; 2 warps were 4-11% faster than 4 (and than 128-key tiles) on the H200
@@ -294,7 +291,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    tile = block_n or _decode_tile(block_size)
+    tile = block_n or DECODE_TILE
     num_warps = num_warps or decode_warps(k_cache.dtype in CODE_DTYPES)
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)

@@ -20,7 +20,6 @@ cuBLAS (after the fused elementwise kernels).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +100,10 @@ def _device_has_pdl(index: int) -> bool:
 
 def pdl_prefetch_lines(weight: torch.Tensor) -> int:
     """Weight lines per row a product asks L2 for before it waits on the kernel before it, or -1
-    where it launches the plain way (PDL off, a large product, no Hopper, the interpreter)."""
+    where it launches the plain way (PDL off, a large product, no Hopper; the interpreter runs on CPU
+    tensors)."""
     dev = weight.device
-    if (not PDL or dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-            or weight.numel() * weight.element_size() > PDL_MAX_BYTES):
+    if not PDL or dev.type != "cuda" or weight.numel() * weight.element_size() > PDL_MAX_BYTES:
         return -1
     return PDL_PREFETCH_LINES if _device_has_pdl(dev.index if dev.index is not None else torch.cuda.current_device()) else -1
 
