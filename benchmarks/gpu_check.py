@@ -10,7 +10,9 @@ Sections (each in its own try/except: a failure is recorded and the script goes 
      engine.compressor (Triton vs reference keep sets), a CUDA-graph capture of decode attention
      and the fused layer chains (add + RMSNorm, q/k norm + RoPE + stores, SiLU-and-multiply), the
      skinny decode products with their fused prologues at the 0.6B and 8B projection shapes (and a
-     CUDA graph of split-K products, also launched early with programmatic dependent launch on Hopper);
+     CUDA graph of split-K products, also launched early with programmatic dependent launch on Hopper,
+     and decode attention's graph against plain launches); an engine with early launches against
+     the same engine without them (same tokens);
   2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
      against transformers on tiny random Llama/Qwen2/Qwen3 models;
   3. timings (triton.testing.do_bench, median): paged decode attention at batch 256 x 2048 tokens
@@ -546,6 +548,7 @@ def check_skinny(report: Report, s: Sizes, gen):
     first two also with a forced split-K and the broadcast-and-sum inner product, with a bias, in
     the serving dtype and fp32. Then a CUDA graph of split-K products replayed on new inputs
     equals eager, bit for bit (the arrival counters reset themselves)."""
+    from zipage.kernels import early_launch
     from zipage.kernels import triton_linear as tlin
 
     dev = s.device
@@ -602,7 +605,7 @@ def check_skinny(report: Report, s: Sizes, gen):
         eager = call()
         worst = max(worst, *((a.float() - e.float()).abs().max().item() for a, e in zip(static, eager)))
     report.check("skinny split-K in CUDA graph (replay == eager)", worst, 0, exact=True)
-    if not tlin._device_has_pdl(torch.device(dev).index or 0):
+    if not early_launch.available(torch.device(dev)):
         return
 
     # Programmatic dependent launch: the chain with every product started early (waiting for its x
@@ -629,6 +632,18 @@ def check_skinny(report: Report, s: Sizes, gen):
             worst = max(worst, *((a.float() - p.float()).abs().max().item()
                                  for a, e, p in zip(static, eager, plain) for a in (a, e)))
         report.check(f"skinny with PDL, {lines} prefetched lines (graph and eager == plain launch)", worst, 0, exact=True)
+
+
+@contextlib.contextmanager
+def early_launch_off():
+    """Every kernel launched the plain way (no programmatic dependent launch) inside the block."""
+    from zipage.kernels import early_launch
+
+    was, early_launch.ENABLED = early_launch.ENABLED, False
+    try:
+        yield
+    finally:
+        early_launch.ENABLED = was
 
 
 def check_cuda_graph(report: Report, s: Sizes, gen):
@@ -668,6 +683,8 @@ def check_cuda_graph(report: Report, s: Sizes, gen):
         graph.replay()
         torch.cuda.synchronize()
         eager = call()
+        with early_launch_off():  # the graph's kernels launched early where available
+            plain = call()
         # The reference reads every table column: only those a context can reach, or B256 x 128
         # columns would gather over 100 GiB.
         used = -(-s.decode_ctx // s.block_size)
@@ -675,6 +692,8 @@ def check_cuda_graph(report: Report, s: Sizes, gen):
                                               context_lens, scale)
         report.check(f"decode in CUDA graph B{batch} (replay == eager)", (static_out.float() - eager.float()).abs().max().item(),
                      0, exact=True)
+        report.check(f"decode in CUDA graph B{batch} (replay == plain launch)",
+                     (static_out.float() - plain.float()).abs().max().item(), 0, exact=True)
         report.check(f"decode in CUDA graph B{batch} vs reference", rel_err(static_out, expected), BF16_TOL)
 
 
@@ -823,13 +842,49 @@ def check_overlapped_decode(report: Report, s: Sizes) -> None:
                        f"{overlapped} steps overlapped", exercised=overlapped > 0)
 
 
-def report_same_tokens(report: Report, name: str, base, variant, detail: str, exercised: bool) -> None:
+def check_early_launch(report: Report, s: Sizes) -> None:
+    """An engine (tiny Qwen3, CUDA graphs) with every kernel launched the plain way against the same
+    engine with early launches: the kernels compute the same bits, so the same requests get the same
+    tokens. Twice: fp32 with compression on (asynchronous compaction moves requests between batches
+    by timing, which fp32 tokens survive), and bf16 with compression off (batches fixed)."""
+    from zipage.engine import LLM, SamplingParams
+    from zipage.kernels import early_launch
+
+    if not early_launch.available(torch.device(s.device)):
+        report.checks.append(dict(name="early launch: same tokens as plain", metric=0.0, threshold=0.0,
+                                  passed=True, detail="skipped (no programmatic dependent launch here)"))
+        return
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (5, 40, 90, 17)]
+    params = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=150, ignore_eos=True)] * 2
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=6)
+        for dtype, compression in (("float32", True), ("bfloat16", False)):
+            runs = {}
+            for early in (False, True):
+                with contextlib.nullcontext() if early else early_launch_off():
+                    llm = LLM(str(folder), device=s.device, dtype=dtype, compression=compression, block_size=16,
+                              window=8, max_cache_blocks_per_seq=4, num_kv_blocks=256)
+                    try:
+                        runs[early] = ([o.token_ids for o in llm.generate(prompts, params)],
+                                       llm.engine.totals["compressions"])
+                    finally:
+                        llm.close()
+            report_same_tokens(report, f"early launch: same tokens as plain, {dtype}", runs[False], runs[True],
+                               "CUDA graphs", exercised=True, compressing=compression)
+
+
+def report_same_tokens(report: Report, name: str, base, variant, detail: str, exercised: bool,
+                       compressing: bool = True) -> None:
     """Two runs of the same requests, (tokens per request, compressions, ...) each: every request's
-    tokens must agree, and the variant must have compressed and done what it is there to show."""
+    tokens must agree, and the variant must have compressed (where compressing) and done what it is
+    there to show."""
     same = sum(a == b for a, b in zip(base[0], variant[0]))
     report.check(name, float(len(base[0]) - same), 0, f"{same}/{len(base[0])} requests identical; "
                  f"compressions {base[1]} vs {variant[1]}; {detail}", exact=True)
-    if not exercised or variant[1] == 0:
+    if not exercised or (compressing and variant[1] == 0):
         report.checks[-1]["passed"] = False
 
 
@@ -1329,7 +1384,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,budgets,mixed,"
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,early,budgets,mixed,"
                         "logprobs,structured,fp8,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
@@ -1376,6 +1431,7 @@ def main(argv=None) -> int:
         ("parity", "engine parity (greedy, fp32) vs transformers", lambda: check_engine_parity(report, s)),
         ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
         ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
+        ("early", "early launch vs plain launch", lambda: check_early_launch(report, s)),
         ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
         ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
         ("logprobs", "log-probabilities and penalties", lambda: check_logprobs_and_penalties(report, s)),

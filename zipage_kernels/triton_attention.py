@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zipage.kernels import early_launch
+
 try:  # bulk tensor copies (TMA) on Hopper; older Triton has no host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -169,7 +171,7 @@ def _decode_partition_kernel(
     s_ob, s_oh, s_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -182,10 +184,11 @@ def _decode_partition_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(lens_ptr + b)
+    ctx = tl.load(lens_ptr + b)  # (lengths and tables are older than the kernel before this one)
     partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
     start = part * partition
     end = tl.minimum(start + partition, ctx)
+    early_launch.wait_then_release(PDL)  # for the query and the newest key
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -226,6 +229,7 @@ def _decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, num_partitions, min_partition,
     s_ob, s_oh, s_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Combine the partitions of one (sequence, query head); partitions past the context are skipped."""
     b = tl.program_id(0)
@@ -233,6 +237,7 @@ def _decode_reduce_kernel(
     ctx = tl.load(lens_ptr + b)
     partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
     used = tl.minimum((ctx + partition - 1) // partition, num_partitions)
+    early_launch.wait_then_release(PDL)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_partitions
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -309,6 +314,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     g_pad = max(16, next_pow2(group))
     ks, vs, ss_b, ss_o, ss_h, quant, prec = cache_args(query, k_cache, k_scales, v_scales)
     grid = (batch, kv_heads, num_partitions)
+    early = early_launch.launch_args(query.device)
     _decode_partition_kernel[grid](
         query, k_cache, v_cache, ks, vs, block_tables, context_lens,
         out, m_buf, l_buf, acc_buf,
@@ -317,13 +323,13 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **early,
     )
     if not single:
         _decode_reduce_kernel[(batch, q_heads)](
             m_buf, l_buf, acc_buf, context_lens, out, num_partitions, min_partition, *out.stride(),
             HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=tile, CHUNK=REDUCE_CHUNK,
-            num_warps=4,
+            num_warps=4, **early,
         )
     return out
 

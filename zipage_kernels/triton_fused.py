@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zipage.kernels import early_launch
 from zipage.kernels.reference import hadamard
 from zipage.kernels.triton_attention import next_pow2
 from zipage.kernels.triton_cache import code_scale, int8_codes, quantize_codes, quantized_cache
@@ -118,7 +119,7 @@ def _qk_norm_rope_store_kernel(
     s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, QUERY_STORE: tl.constexpr, QUANT: tl.constexpr,
-    INT8: tl.constexpr, HADAMARD: tl.constexpr,
+    INT8: tl.constexpr, HADAMARD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (t, h): head h of token t, a query head when h < Q_HEADS, else a key head whose value
     head it also stores. The head is read as two halves, the pairs RoPE rotates together. With
@@ -131,6 +132,7 @@ def _qk_norm_rope_store_kernel(
     d = tl.arange(0, HALF_PAD)
     dm = d < half
     row = qkv_ptr + t * s_t + h * HEAD_DIM
+    early_launch.wait_then_release(PDL)  # for qkv
     x1 = tl.load(row + d, mask=dm, other=0.0).to(tl.float32)
     x2 = tl.load(row + half + d, mask=dm, other=0.0).to(tl.float32)
     is_q = h < Q_HEADS
@@ -220,6 +222,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         *qc_strides, *scale_strides,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
         BLOCK_SIZE=block_size, NORM=norm, QUERY_STORE=query_store, QUANT=quant,
-        INT8=int8_codes(k_cache), HADAMARD=hadamard_qk, num_warps=1,
+        INT8=int8_codes(k_cache), HADAMARD=hadamard_qk, num_warps=1, **early_launch.launch_args(qkv.device),
     )
     return q

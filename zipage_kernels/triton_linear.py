@@ -19,7 +19,6 @@ cuBLAS (after the fused elementwise kernels).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from zipage.kernels import triton_fused
+from zipage.kernels import early_launch, triton_fused
 from zipage.kernels.triton_attention import dot_precision, next_pow2, num_sms
 
 MAX_ROWS = 16  # x rows a skinny product takes; above this, cuBLAS's tiles fill up
@@ -81,31 +80,20 @@ def pick_config(n: int, k: int, rows: int, device: torch.device) -> Config:
     return Config(block_n, block_k, split)
 
 
-# Programmatic dependent launch (Hopper on): a product's programs start while the kernel before it
+# Early launch (zipage.kernels.early_launch): a product's programs start while the kernel before it
 # finishes, ask L2 for their first weights, and wait for x there. Only products of at most this many
 # bytes launch so (Qwen3-0.6B's: 7% off its chain of products); larger ones (Qwen3-8B's) ran no
-# faster or slower that way (docs/benchmarks.md, "Products that start early"). PDL is the switch
-# for comparisons.
-PDL = True
+# faster that way and slower with the prefetch (docs/benchmarks.md, "Products that start early").
 PDL_MAX_BYTES = 16 << 20
 PDL_PREFETCH_LINES = 16  # 128-byte lines of each weight row asked for before the wait
 
 
-@functools.lru_cache(maxsize=None)
-def _device_has_pdl(index: int) -> bool:
-    """NVIDIA Hopper or later (ROCm reports its own capabilities through the same call)."""
-    return (torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-            and hasattr(tl.extra.cuda, "gdc_wait"))
-
-
 def pdl_prefetch_lines(weight: torch.Tensor) -> int:
     """Weight lines per row a product asks L2 for before it waits on the kernel before it, or -1
-    where it launches the plain way (PDL off, a large product, no Hopper; the interpreter runs on CPU
-    tensors)."""
-    dev = weight.device
-    if not PDL or dev.type != "cuda" or weight.numel() * weight.element_size() > PDL_MAX_BYTES:
+    where it launches the plain way (early launch off or unavailable, a large product)."""
+    if weight.numel() * weight.element_size() > PDL_MAX_BYTES or not early_launch.available(weight.device):
         return -1
-    return PDL_PREFETCH_LINES if _device_has_pdl(dev.index if dev.index is not None else torch.cuda.current_device()) else -1
+    return PDL_PREFETCH_LINES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,15 +163,13 @@ def _skinny_kernel(
     kk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if PDL:
+    if PF_LINES > 0:
         # Launched while the kernel before it finishes: fetch the first of this program's weights
-        # (which no kernel writes) towards L2, wait for that kernel's x, then let the next product in.
-        if PF_LINES > 0:
-            line: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            cols = k_lo + tl.arange(0, PF_LINES) * line
-            prefetch_l2(w_rows + tl.minimum(cols, k_hi - 1)[None, :])
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        # (which no kernel writes) towards L2, then wait for that kernel's x.
+        line: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        cols = k_lo + tl.arange(0, PF_LINES) * line
+        prefetch_l2(w_rows + tl.minimum(cols, k_hi - 1)[None, :])
+    early_launch.wait_then_release(PDL)
     if DOT:
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     else:
