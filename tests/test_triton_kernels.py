@@ -137,8 +137,10 @@ def test_decode_partition_heuristic():
     assert tatt.decode_num_partitions(1, 2, 128, 256, cpu) == 4  # 32k tokens
     assert tatt.decode_num_partitions(1, 1, 128, 256, cpu) == 8
     assert tatt.decode_num_partitions(256, 8, 8, 256, cpu) == 1
+    shortest = tatt.DECODE_MIN_PARTITION
     assert tatt.decode_num_partitions(1, 1, 1, 16, cpu) == 1  # 16 tokens: one partition at most
-    assert tatt.decode_num_partitions(1, 1, 2, 256, cpu) == 2
+    assert tatt.decode_num_partitions(1, 1, 2, shortest, cpu) == 2  # a table of two shortest partitions
+    assert tatt.decode_num_partitions(1, 1, 8, shortest, cpu) == 8
 
 
 # ---------------------------------------------------------------------------------------------
