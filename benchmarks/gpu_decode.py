@@ -21,8 +21,10 @@ fused-no-pdl (the same, every kernel launched without programmatic dependent lau
 unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
 kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
 products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
-chains through torch.compile); K/V stores go through Triton in all of them. --skinny-table loads
-the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of the committed table.
+chains through torch.compile); K/V stores go through Triton in all of them. A variant may be named
+more than once, to interleave rounds against drift; its later rounds are kept as "fused#2", ...
+--skinny-table loads the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of
+the committed table.
 """
 
 from __future__ import annotations
@@ -303,7 +305,9 @@ def main(argv=None) -> dict:
 
     for variant in args.variants.split(","):
         use_variant(variant)
-        r = results["variants"][variant] = {}
+        # a variant named again (rounds interleaved against drift) keeps every round: "fused#2", ...
+        rounds = sum(1 for key in results["variants"] if key.split("#")[0] == variant)
+        r = results["variants"][variant if rounds == 0 else f"{variant}#{rounds + 1}"] = {}
         start = time.perf_counter()
         try:
             engine = EngineCore(EngineConfig(model=args.model, device=args.device,
