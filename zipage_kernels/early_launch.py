@@ -4,10 +4,10 @@ while the kernel before them finishes, instead of after it.
 A kernel launched with `launch_pdl=True` may begin as soon as every program of the kernel before
 it has called `gdc_launch_dependents`. It must not read what that kernel writes, nor write
 anything, before `gdc_wait`, which returns once that kernel has finished and its writes are
-visible. Each kernel here calls `gdc_launch_dependents` only after its own `gdc_wait`, so when a
-kernel starts early, everything before its predecessor has already finished: it may read those
-older inputs (weights, tables, lengths, positions) ahead of the wait. See docs/design-notes.md,
-"Model" (decode kernels start early).
+visible. Each kernel here calls `gdc_launch_dependents` only after its own `gdc_wait`, so a kernel
+that starts early overlaps only the end of the one kernel before it. Ahead of its wait a kernel
+here reads nothing but weights, which no kernel writes, so a caller may write any other input with
+a kernel just before the call. See docs/design-notes.md, "Model" (decode kernels start early).
 
 ENABLED is the switch for comparisons (benchmarks/gpu_decode.py's fused-no-pdl variant)."""
 

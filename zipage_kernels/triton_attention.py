@@ -187,11 +187,11 @@ def _decode_partition_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(lens_ptr + b)  # (lengths and tables are older than the kernel before this one)
+    early_launch.wait_then_release(PDL)  # for the query and the newest key (and any input a caller just wrote)
+    ctx = tl.load(lens_ptr + b)
     partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
     start = part * partition
     end = tl.minimum(start + partition, ctx)
-    early_launch.wait_then_release(PDL)  # for the query and the newest key
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -237,10 +237,10 @@ def _decode_reduce_kernel(
     """Combine the partitions of one (sequence, query head); partitions past the context are skipped."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    early_launch.wait_then_release(PDL)
     ctx = tl.load(lens_ptr + b)
     partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
     used = tl.minimum((ctx + partition - 1) // partition, num_partitions)
-    early_launch.wait_then_release(PDL)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_partitions
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
