@@ -24,7 +24,7 @@ products through cuBLAS, the norms and SiLU as their own kernels), reference (th
 chains through torch.compile); K/V stores go through Triton in all of them. A variant may be named
 more than once, to interleave rounds against drift; its later rounds are kept as "fused#2", ...
 --skinny-table loads the skinny products' block sizes from a benchmarks/gpu_skinny.py run instead of
-the committed table.
+the committed table; --decode-min-partition sets the shortest decode attention partition.
 """
 
 from __future__ import annotations
@@ -282,7 +282,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
     parser.add_argument("--profile-dir", default=None, help="write host-side profiles of the step sections here")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run")
+    parser.add_argument("--decode-min-partition", type=int, default=None,
+                        help="shortest decode attention partition in tokens, a multiple of the key tile "
+                             "(default: the committed DECODE_MIN_PARTITION)")
     args = bench_common.parse_args(parser, argv)
+    if args.decode_min_partition is not None:
+        from zipage.kernels import triton_attention
+
+        if args.decode_min_partition <= 0 or args.decode_min_partition % triton_attention.DECODE_TILE:
+            parser.error(f"--decode-min-partition must be a positive multiple of {triton_attention.DECODE_TILE}")
+        triton_attention.DECODE_MIN_PARTITION = args.decode_min_partition
     if args.skinny_table:
         from gpu_skinny import load_table
 
