@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 ENABLED = True
+LAUNCH_ARGS = {"PDL": True, "launch_pdl": True}  # a kernel's constexpr and Triton's launch option
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,7 +39,7 @@ def available(device: torch.device) -> bool:
 
 def launch_args(device: torch.device) -> dict:
     """Extra launch arguments for a kernel taking a PDL constexpr: launch early where available."""
-    return {"PDL": True, "launch_pdl": True} if available(device) else {}
+    return dict(LAUNCH_ARGS) if available(device) else {}
 
 
 @triton.jit

@@ -308,7 +308,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         PROLOGUE=prologue, HAS_BIAS=bias is not None, M_PAD=16 if cfg.dot else next_pow2(rows),
         DOT=cfg.dot, PREC=dot_precision(x.dtype), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"PDL": True, "PF_LINES": pdl, "launch_pdl": True} if pdl >= 0 else {}),
+        **({**early_launch.LAUNCH_ARGS, "PF_LINES": pdl} if pdl >= 0 else {}),
     )
     return y, summed
 

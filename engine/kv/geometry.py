@@ -88,16 +88,17 @@ class CompressionGeometry:
     def compresses_prompt(self, seq) -> bool:
         """Whether the next compression of `seq` is the one right after its prompt's prefill (its
         prompt is over the budget), rather than one while decoding. Never under elastic budgets."""
-        return not self.elastic and not seq.is_compressed and seq.num_prompt_tokens > self.budget_tokens_of(seq)
+        return self._prompt_over(seq, self.budget_tokens_of(seq))
 
     def next_point(self, seq) -> int:
         """The KV length at which `seq` is compressed next under a fixed budget: its prompt's length
-        when compresses_prompt, else trigger_len_of. Spelled out in one place (the scheduler and the
-        batch packing ask it of every decoding request on every step)."""
-        budget = (seq.kv_budget or self.budget_blocks) * self.block_size
-        if not self.elastic and seq.times_compressed == 0 and seq.num_prompt_tokens > budget:
-            return seq.num_prompt_tokens
-        return budget + self.block_size
+        when compresses_prompt, else trigger_len_of. The budget is worked out once (the scheduler and
+        the batch packing ask this of every decoding request on every step)."""
+        budget = self.budget_tokens_of(seq)
+        return seq.num_prompt_tokens if self._prompt_over(seq, budget) else budget + self.block_size
+
+    def _prompt_over(self, seq, budget_tokens: int) -> bool:
+        return not self.elastic and not seq.is_compressed and seq.num_prompt_tokens > budget_tokens
 
     def window_start(self, seq) -> int:
         """First KV index whose query belongs to the next compression's window (fixed budgets)."""
