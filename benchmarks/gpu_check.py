@@ -37,6 +37,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -634,16 +635,11 @@ def check_skinny(report: Report, s: Sizes, gen):
         report.check(f"skinny with PDL, {lines} prefetched lines (graph and eager == plain launch)", worst, 0, exact=True)
 
 
-@contextlib.contextmanager
 def early_launch_off():
     """Every kernel launched the plain way (no programmatic dependent launch) inside the block."""
     from zipage.kernels import early_launch
 
-    was, early_launch.ENABLED = early_launch.ENABLED, False
-    try:
-        yield
-    finally:
-        early_launch.ENABLED = was
+    return mock.patch.object(early_launch, "ENABLED", False)
 
 
 def check_cuda_graph(report: Report, s: Sizes, gen):
