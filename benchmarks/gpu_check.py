@@ -11,7 +11,8 @@ Sections (each in its own try/except: a failure is recorded and the script goes 
      and the fused layer chains (add + RMSNorm, q/k norm + RoPE + stores, SiLU-and-multiply), the
      skinny decode products with their fused prologues at the 0.6B and 8B projection shapes (and a
      CUDA graph of split-K products, also launched early with programmatic dependent launch on Hopper,
-     and decode attention's graph against plain launches); an engine with early launches against
+     decode attention's graph, and the RoPE/store kernel then decode attention replayed on new tokens,
+     against plain launches); an engine with early launches against
      the same engine without them (same tokens);
   2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
      against transformers on tiny random Llama/Qwen2/Qwen3 models;
@@ -691,6 +692,47 @@ def check_cuda_graph(report: Report, s: Sizes, gen):
         report.check(f"decode in CUDA graph B{batch} (replay == plain launch)",
                      (static_out.float() - plain.float()).abs().max().item(), 0, exact=True)
         report.check(f"decode in CUDA graph B{batch} vs reference", rel_err(static_out, expected), BF16_TOL)
+    check_store_then_attend(report, s, gen)
+
+
+def check_store_then_attend(report: Report, s: Sizes, gen) -> None:
+    """The RoPE/store kernel, then decode attention, as a decode step runs them: in a CUDA graph,
+    launched early, replayed on new tokens: the plain launches' bits. An attention that read the
+    cache before the store had finished would attend to the key the last replay stored."""
+    from zipage.kernels import triton_attention, triton_fused
+
+    head_dim, kv_heads, q_heads = s.head_dim, s.kv_heads, s.q_heads
+    for lens in ([s.decode_ctx + 5], [s.decode_ctx - 3 * i for i in range(4)], [40 + i for i in range(s.decode_batch)]):
+        batch = len(lens)
+        k_cache, v_cache, tables = make_paged(lens, s.block_size, kv_heads, head_dim, s.dtype, s.device, gen)
+        cpu_tables = tables.cpu()
+        slots = torch.tensor([int(cpu_tables[i, (n - 1) // s.block_size]) * s.block_size + (n - 1) % s.block_size
+                              for i, n in enumerate(lens)], device=s.device)
+        qkv = randn((batch, (q_heads + 2 * kv_heads) * head_dim), gen, s.device, s.dtype)
+        angles = torch.rand(batch, head_dim // 2, generator=gen).repeat(1, 2).to(s.device) * 6.28
+        cos, sin = angles.cos(), angles.sin()
+        context_lens = torch.tensor(lens, dtype=torch.int32, device=s.device)
+
+        def step():
+            q = triton_fused.qk_norm_rope_store(qkv, cos, sin, None, None, 0.0, k_cache, v_cache, slots, None, None)
+            return triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens,
+                                                           head_dim ** -0.5)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        worst = 0.0
+        for _ in range(8):
+            qkv.copy_(randn(qkv.shape, gen, s.device, s.dtype))  # new keys and values at the same slots
+            graph.replay()
+            torch.cuda.synchronize()
+            with early_launch_off():
+                plain = step()
+            worst = max(worst, (static_out.float() - plain.float()).abs().max().item())
+        report.check(f"store then decode in a graph, B{batch} (== plain launches)", worst, 0, exact=True,
+                     detail="8 replays on new tokens")
 
 
 # ---------------------------------------------------------------------------------------------
