@@ -46,12 +46,14 @@ class Config:
 
 # The fastest of ~100 candidates per shape on the H200 (bf16, weights cold in L2, back-to-back in a
 # CUDA graph; benchmarks/gpu_skinny.py), keyed on (N, K) of the Qwen3-0.6B and -8B projections:
-# (config for one row, config for 2-16 rows).
+# (config for one row, config for 2-16 rows). The 0.6B gate/up and down one-row configs were then
+# chosen inside the early-launched chain of a step's products (docs/design-notes.md, "Model":
+# one-row product tiles are chosen where they run).
 TABLE: dict[tuple[int, int], tuple[Config, Config]] = {
     (4096, 1024): (Config(16, 512, dot=False), Config(32, 128, num_stages=5)),  # qwen3-0.6b qkv
     (1024, 2048): (Config(32, 256, split_k=8, num_stages=5), Config(32, 256, split_k=8)),  # qwen3-0.6b o
-    (6144, 1024): (Config(16, 512, dot=False), Config(64, 128, num_stages=5)),  # qwen3-0.6b gate_up
-    (1024, 3072): (Config(32, 128, split_k=8), Config(32, 128, split_k=4, num_stages=5)),  # qwen3-0.6b down
+    (6144, 1024): (Config(16, 256, dot=False), Config(64, 128, num_stages=5)),  # qwen3-0.6b gate_up
+    (1024, 3072): (Config(16, 512, split_k=8, dot=False), Config(32, 128, split_k=4, num_stages=5)),  # qwen3-0.6b down
     (6144, 4096): (Config(16, 512, dot=False), Config(64, 512)),  # qwen3-8b qkv
     (4096, 4096): (Config(64, 128, split_k=4), Config(32, 256, num_stages=5)),  # qwen3-8b o
     (24576, 4096): (Config(16, 256, dot=False), Config(64, 128)),  # qwen3-8b gate_up
