@@ -1,6 +1,7 @@
 """What the benchmark scripts share: the parser with their common flags (--model, --json, and those
 of the requests they serve: a fixed batch or a seeded random workload), the random workload itself,
-the description of the hardware a result was measured on, and writing a result to --json.
+the description of the hardware a result was measured on, writing a result to --json, and capturing
+a function's launches in a CUDA graph.
 
 The scripts run as `python benchmarks/NAME.py`, which puts this folder first on sys.path, so they
 import this module by its plain name.
@@ -83,3 +84,16 @@ def write_json(path: str | None, results: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def graph_of(fn):
+    """fn's launches captured in a CUDA graph, after a warm call outside it: (graph, fn's output
+    inside it, which each replay rewrites)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out

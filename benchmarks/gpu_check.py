@@ -45,6 +45,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 
 import torch  # noqa: E402
 
+import bench_common  # noqa: E402
 from zipage import kernels  # noqa: E402
 from zipage.kernels import reference as ref  # noqa: E402
 from zipage.kernels import triton_ops  # noqa: E402
@@ -593,11 +594,7 @@ def check_skinny(report: Report, s: Sizes, gen):
         y, summed = tlin.skinny_matmul(x, w, None, tlin.ADD_NORM, res, nw, 1e-6, config=cfg)
         return tlin.skinny_matmul(torch.cat((y, y), 1), w2, None, tlin.SILU_MUL, config=cfg)[0], summed
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = call()
+    graph, static = bench_common.graph_of(call)
     worst = 0.0
     for _ in range(3):
         x.copy_(randn((16, k), gen, dev, s.dtype))
@@ -618,11 +615,7 @@ def check_skinny(report: Report, s: Sizes, gen):
         return tlin.skinny_matmul(torch.cat((y, y), 1), w2, None, tlin.SILU_MUL, config=cfg, pdl=pdl)[0], summed
 
     for lines in (0, tlin.PDL_PREFETCH_LINES):
-        chain(lines)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = chain(lines)
+        graph, static = bench_common.graph_of(lambda: chain(lines))
         worst = 0.0
         for _ in range(3):
             x.copy_(randn((16, k), gen, dev, s.dtype))
@@ -718,11 +711,7 @@ def check_store_then_attend(report: Report, s: Sizes, gen) -> None:
             return triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens,
                                                            head_dim ** -0.5)
 
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
+        graph, static_out = bench_common.graph_of(step)
         worst = 0.0
         for _ in range(8):
             qkv.copy_(randn(qkv.shape, gen, s.device, s.dtype))  # new keys and values at the same slots

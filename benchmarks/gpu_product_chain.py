@@ -64,18 +64,6 @@ def layer_weights(hidden: int, q: int, kv: int, inter: int, gen: torch.Generator
                 down=weight(hidden, inter), norm1=norm(), norm2=norm())
 
 
-def graph_of(fn):
-    """fn's launches captured in a CUDA graph (after a warm call outside it) and their output."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 def replay_us(graph) -> float:
     import triton.testing
 
@@ -88,13 +76,13 @@ def sweep(model: str, weights: list, chain, repeats: int, path: str) -> dict:
 
     shapes = {name: tuple(weights[0][name].shape) for name in PRODUCTS}
     committed = {name: tl_lin.pick_config(*shapes[name], 1, torch.device("cuda")) for name in PRODUCTS}
-    base_graph, base_out = graph_of(lambda: chain(None, committed))
+    base_graph, base_out = bench_common.graph_of(lambda: chain(None, committed))
     chosen, trials = dict(committed), []
     for name in SWEEP_ORDER:
-        kept_us = replay_us(graph_of(lambda: chain(None, chosen))[0])
+        kept_us = replay_us(bench_common.graph_of(lambda: chain(None, chosen))[0])
         for config in one_row_candidates(name):
             trial = dict(chosen, **{name: config})
-            graph, out = graph_of(lambda: chain(None, trial))
+            graph, out = bench_common.graph_of(lambda: chain(None, trial))
             us = replay_us(graph)
             err = ((out.float() - base_out.float()).norm() / base_out.float().norm()).item()
             row = dict(model=model, product=name, config=str(config), us=us, kept_us=kept_us, rel_err=err)
@@ -102,7 +90,7 @@ def sweep(model: str, weights: list, chain, repeats: int, path: str) -> dict:
             print(json.dumps(row), flush=True)
             if us < 0.985 * kept_us and err < 2e-2:
                 chosen[name], kept_us = config, us
-    chosen_graph, _ = graph_of(lambda: chain(None, chosen))
+    chosen_graph, _ = bench_common.graph_of(lambda: chain(None, chosen))
     rounds = [dict(committed_us=replay_us(base_graph), chosen_us=replay_us(chosen_graph)) for _ in range(repeats)]
     print(json.dumps(dict(rounds=rounds, chosen={k: str(v) for k, v in chosen.items()})), flush=True)
     table = {f"{n}x{k}": [dataclasses.asdict(c) for c in pair] for (n, k), pair in tl_lin.TABLE.items()}
@@ -154,7 +142,7 @@ def main(argv=None) -> dict:
             return results
         graphs, outputs = {}, {}
         for label in args.lines.split(","):
-            graphs[label], outputs[label] = graph_of(lambda: chain(-1 if label == "plain" else int(label)))
+            graphs[label], outputs[label] = bench_common.graph_of(lambda: chain(-1 if label == "plain" else int(label)))
         times = {label: [] for label in graphs}
         for _ in range(args.repeats):
             for label, graph in graphs.items():
