@@ -461,6 +461,20 @@ def test_silu_mul_linear(rows, n, k, cfg):
     close(tlin.skinny_matmul(x * 3, w, None, tlin.SILU_MUL, config=cfg)[0], ref.silu_mul_linear(x * 3, w, None))
 
 
+@pytest.mark.parametrize("shape", sorted(tlin.TABLE), ids=lambda nk: f"{nk[0]}x{nk[1]}")
+def test_skinny_committed_table(shape):
+    """Each committed config, one row and several, on a shape that walks all its splits and two
+    column tiles (the table's real shapes are too large for the interpreter): the reference's result
+    for the plain product and the SiLU-and-multiply prologue."""
+    for rows, cfg in zip((1, 5), tlin.TABLE[shape]):
+        n, k = 2 * cfg.block_n, 2 * cfg.block_k * cfg.split_k
+        x, w, b, _ = skinny_inputs(rows, n, k, shape[0] + rows, x_cols=2 * k)
+        close(tlin.skinny_matmul(x[:, :k].contiguous(), w, b, config=cfg)[0], ref.linear(x[:, :k], w, b),
+              rtol=1e-4, atol=1e-4)
+        close(tlin.skinny_matmul(x, w, None, tlin.SILU_MUL, config=cfg)[0], ref.silu_mul_linear(x, w, None),
+              rtol=1e-4, atol=1e-4)
+
+
 def test_skinny_split_k_is_repeatable():
     """The split-K counters are back at zero after every product: a second call (a graph replay)
     sums the same partials in the same order, bit for bit."""
