@@ -13,8 +13,8 @@ lines of each weight row prefetched under PDL (0: PDL without prefetch). Every v
 checked bit for bit against the plain launch's. Bandwidth is on the weight bytes.
 
 --sweep PATH: instead, the one-row config of each product chosen inside the chain, launched as the
-engine launches it: for each shape in turn, the candidates of ONE_ROW_CANDIDATES (the committed
-table's config first) each timed as the whole chain's graph; one replaces the config kept when it is
+engine launches it: for each shape in turn, the committed table's config and then each of
+`one_row_candidates` timed as the whole chain's graph; a candidate replaces the config kept when it is
 at least 1.5% faster and its output within 2e-2 of the committed table's. Then the committed and the
 chosen tables, interleaved --repeats times; PATH gets the chosen table in the format
 `gpu_skinny.load_table` reads (so `gpu_decode.py --skinny-table PATH` runs an engine with it).
