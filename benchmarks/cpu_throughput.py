@@ -7,7 +7,8 @@ same GGUF file.
     python benchmarks/cpu_throughput.py --num-requests 1 --modes zipage,zipage-float32,hf-generate,llama-cpp \
         --llama-python /tmp/venv-llama/bin/python     # one stream; llama.cpp from a venv of its own
 
-Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy, in --dtype
+Every mode generates exactly --output-len tokens per prompt (EOS ignored), greedy (Zipage's modes
+sample instead at --temperature and --top-p when given, as a chat does), in --dtype
 (float32 by default; bfloat16 uses the CPU's bf16 matrix units where it has them). Zipage's weights
 follow --weight-dtype ("auto": a quantized GGUF runs as stored, docs/design-notes.md, "Quantized CPU
 weights"); mode zipage-float32 is Zipage with every weight dequantized to float32. Mode llama-cpp runs
@@ -47,10 +48,12 @@ def chat_prompts(tokenizer, n: int, texts: list[str] = PROMPTS) -> list[list[int
             for p in prompts]
 
 
-def run_zipage(llm, prompts, output_len: int):
+def run_zipage(llm, prompts, output_len: int, temperature: float = 0.0, top_p: float = 1.0):
+    """Greedy, or sampled at this temperature and top-p with a seed per prompt (the same tokens each round)."""
     from zipage.engine import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i if temperature else None,
+                             max_tokens=output_len, ignore_eos=True) for i in range(len(prompts))]
 
     def once():
         return sum(len(o.token_ids) for o in llm.generate(prompts, params))
@@ -158,6 +161,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="Zipage's weight_dtype (modes zipage and fullkv)")
     parser.add_argument("--llama-python", default=sys.executable, help="interpreter with llama-cpp-python")
+    parser.add_argument("--temperature", type=float, default=0.0, help="Zipage's modes sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="and this top-p")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for every mode (default: the engine's choice, cpu_threads)")
     args = bench_common.parse_args(parser, argv)
@@ -175,15 +180,17 @@ def main(argv=None) -> dict:
     results["prompt_tokens"] = [len(p) for p in prompts]
     hf = None
     runs = {}
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+    results["sampling"] = sampling
     for mode in modes:
         if mode == "zipage":
-            runs[mode] = run_zipage(llm, prompts, args.output_len)
+            runs[mode] = run_zipage(llm, prompts, args.output_len, **sampling)
         elif mode == "fullkv":
             runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype=args.dtype, compression=False, **weights),
-                                    prompts, args.output_len)
+                                    prompts, args.output_len, **sampling)
         elif mode == "zipage-float32":
             runs[mode] = run_zipage(LLM(args.model, device="cpu", dtype="float32", weight_dtype="float32",
-                                        compression=True), prompts, args.output_len)
+                                        compression=True), prompts, args.output_len, **sampling)
         elif mode == "llama-cpp":
             runs[mode] = run_llama_cpp(args.llama_python, llm.engine.source.path, prompts, args.output_len)
         elif mode == "hf-generate":

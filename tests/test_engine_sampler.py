@@ -8,7 +8,8 @@ import torch
 
 from conftest import assert_pool_empty, greedy, random_prompts
 from zipage.engine import SamplingParams
-from zipage.engine.execution.sampler import Sampler, apply_repetition_penalty, filter_logits
+from zipage.engine.execution.sampler import (TOP_P_CANDIDATES, Sampler, apply_repetition_penalty, filter_logits,
+                                             inverse_cdf)
 
 PROMPTS = random_prompts(3, [9, 30, 17], seed=91)
 N = 24
@@ -71,6 +72,31 @@ def test_logits_transforms_match_transformers(params):
         torch.testing.assert_close(ours[finite], want[finite])
         if params.top_k or params.top_p < 1 or params.min_p:
             assert (~finite).any()  # the filter really removed something on these logits
+
+
+@pytest.mark.parametrize("spread, nucleus_inside", [(6.0, True), (0.05, False)], ids=["peaked", "flat"])
+def test_top_p_on_a_large_vocabulary_matches_transformers(spread, nucleus_inside):
+    """Past TOP_P_CANDIDATES tokens the CPU ranks only the most likely ones when they hold top_p
+    (peaked rows) and sorts the whole row otherwise (flat rows): both keep transformers' tokens."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4 * TOP_P_CANDIDATES
+    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.5),
+                   SamplingParams(temperature=0.6, top_k=20, top_p=0.95)):
+        logits = torch.randn(vocab, generator=gen) * spread
+        ours, want = filter_logits(logits, params), hf_chain(logits, [], params)
+        kept = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(ours), kept)
+        torch.testing.assert_close(ours[kept], want[kept])
+        assert (int(kept.sum()) <= TOP_P_CANDIDATES) == nucleus_inside or params.top_k
+
+
+def test_inverse_cdf_never_picks_a_token_of_probability_zero():
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0],
+                          [0.0, 0.5, 0.0, 0.0, 0.0, 0.5, 0.0]])
+    assert inverse_cdf(probs, [0.0, 0.0]).tolist() == [2, 1]  # the lowest u: the first possible token
+    assert inverse_cdf(probs, [1 - 2 ** -53] * 2).tolist() == [4, 5]  # the highest: the last one
+    assert inverse_cdf(probs, [0.2499, 0.5]).tolist() == [2, 5]  # u exactly at a boundary: the next token
+    assert inverse_cdf(probs * 3, [0.2501, 0.4999]).tolist() == [4, 1]  # unnormalised rows alike
 
 
 def test_repetition_penalty_on_known_values():
