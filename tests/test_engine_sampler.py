@@ -9,7 +9,7 @@ import torch
 from conftest import assert_pool_empty, greedy, random_prompts
 from zipage.engine import SamplingParams
 from zipage.engine.execution.sampler import (TOP_P_CANDIDATES, Sampler, apply_repetition_penalty, filter_logits,
-                                             inverse_cdf)
+                                             filtered_logits, inverse_cdf)
 
 PROMPTS = random_prompts(3, [9, 30, 17], seed=91)
 N = 24
@@ -88,6 +88,25 @@ def test_top_p_on_a_large_vocabulary_matches_transformers(spread, nucleus_inside
         assert torch.equal(torch.isfinite(ours), kept)
         torch.testing.assert_close(ours[kept], want[kept])
         assert (int(kept.sum()) <= TOP_P_CANDIDATES) == nucleus_inside or params.top_k
+
+
+@pytest.mark.parametrize("vocab", [200, 4 * TOP_P_CANDIDATES], ids=["small", "large"])
+def test_rows_filtered_together_equal_rows_filtered_alone(vocab):
+    """A batch of rows with different temperatures and filters (ranked once for all of them) gives
+    each row what filter_logits gives it alone; on the large vocabulary a flat row sends the whole
+    batch to the full sort and a peaked batch stays among the candidates."""
+    gen = torch.Generator().manual_seed(11)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
+              SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.5, top_p=0.3)]
+    for spreads in ([6.0] * len(params), [6.0, 6.0, 0.05, 6.0, 6.0, 6.0]):
+        logits = torch.randn(len(params) + 2, vocab, generator=gen) * torch.tensor([1.0, *spreads, 1.0])[:, None]
+        rows = list(range(1, len(params) + 1))
+        together = filtered_logits(logits, rows, params)
+        for i, (row, p) in enumerate(zip(rows, params)):
+            alone = filter_logits(logits[row], p)
+            assert torch.equal(torch.isfinite(together[i]), torch.isfinite(alone))
+            torch.testing.assert_close(together[i], alone)
 
 
 def test_inverse_cdf_never_picks_a_token_of_probability_zero():

@@ -30,50 +30,63 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks on one row of logits."""
-    return _filter_scaled(logits / params.temperature, params)
+    scaled = logits / params.temperature
+    if not _filters(params):
+        return scaled
+    return filter_rows(scaled[None], [params])[0]
 
 
-def _filter_scaled(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The top-k, top-p and min-p masks on one row already divided by its temperature."""
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        logits = _top_p(logits, params.top_p)
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+def _filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
-# On the CPU top-p looks first among this many most likely tokens: a full sort of a 49k vocabulary
-# took 3.3 ms on a 2-core CPU, the top 1,024 0.4 ms, and a nucleus rarely holds more. (On CUDA the
-# sort is cheap, and asking whether they suffice would wait for the device.)
+# On the CPU the filters look first among this many most likely tokens: a full sort of a 49k
+# vocabulary took 3.3 ms a row on a 2-core CPU, the top 1,024 0.4 ms, and a nucleus rarely holds
+# more. (On CUDA one sort of all rows is cheap, and asking whether the candidates suffice would
+# wait for the device.)
 TOP_P_CANDIDATES = 1024
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Drop a token when the more likely tokens already reach top_p (the first always stays). When
-    the TOP_P_CANDIDATES most likely reach it, every other token is dropped and only they are
-    ranked; otherwise the whole row is sorted."""
-    if not logits.is_cuda and logits.shape[-1] > TOP_P_CANDIDATES:
-        top, order = torch.topk(logits, TOP_P_CANDIDATES)  # descending
-        probs = (top - torch.logsumexp(logits, -1)).exp()  # probabilities over the whole row
-        cumulative = probs.cumsum(-1)
-        if bool(cumulative[-1] >= top_p):
-            kept = _nucleus_mask(probs, cumulative, top_p)
-            return torch.full_like(logits, float("-inf")).scatter(-1, order, top.masked_fill(kept.logical_not(), float("-inf")))
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = sorted_logits.softmax(-1)
-    kept = _nucleus_mask(probs, probs.cumsum(-1), top_p)
-    return logits.scatter(-1, order, sorted_logits.masked_fill(kept.logical_not(), float("-inf")))
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The top-k, top-p and min-p masks (in that order) on rows [rows, vocab] already divided by
+    their temperatures, all rows at once: each row ranked once, most likely first."""
+    rows, vocab = logits.shape
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    device, dtype = logits.device, logits.dtype
+    top_k_t = upload(top_k, device)
+    top_p = upload([p.top_p for p in params], device, dtype)
+    min_p = upload([p.min_p for p in params], device, dtype)
+    if not logits.is_cuda and vocab > TOP_P_CANDIDATES and all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
+        values, order = torch.topk(logits, TOP_P_CANDIDATES)
+        # probabilities over the whole row where no top-k cut it to the candidates
+        whole = torch.logsumexp(logits, -1)[:, None]
+        values = _mask_ranked(values, top_k_t, top_p, min_p, upload([k == vocab for k in top_k], device, torch.bool),
+                              whole)
+        if bool(torch.isinf(values[:, -1]).all()):  # every row dropped a candidate: all later tokens go too
+            return torch.full_like(logits, float("-inf")).scatter(-1, order, values)
+    values, order = torch.sort(logits, descending=True)
+    values = _mask_ranked(values, top_k_t, top_p, min_p)
+    return logits.scatter(-1, order, values)
 
 
-def _nucleus_mask(probs: torch.Tensor, cumulative: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Which of the tokens, most likely first, top-p keeps: those whose more likely tokens hold less than top_p."""
-    kept = cumulative - probs < top_p
-    kept[..., 0] = True  # however small top_p is (even below float32's range)
-    return kept
+def _mask_ranked(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 whole_row: torch.Tensor | None = None, normaliser: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of logits ranked most likely first (all of a row, or its leading candidates) with
+    -inf where top-k, top-p or min-p drops a token. top-k keeps ties with the k-th logit; top-p
+    drops a token when the more likely ones already reach top_p (the first always stays); min-p
+    drops a token less likely than min_p times the most likely one. Top-p's probabilities are a
+    softmax over what top-k kept, or, for candidates of rows top-k left whole (whole_row), against
+    the whole row's normaliser (its logsumexp)."""
+    kth = values.gather(-1, (top_k - 1).clamp(max=values.shape[-1] - 1)[:, None])
+    values = values.masked_fill(values < kth, float("-inf"))
+    probs = values.softmax(-1)
+    if normaliser is not None:
+        probs = torch.where(whole_row[:, None], (values - normaliser).exp(), probs)
+    kept = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    kept[:, 0] = True  # however small top_p is (even below float32's range)
+    values = values.masked_fill(kept.logical_not(), float("-inf"))
+    probs = values.softmax(-1)
+    return values.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
 
 
 class Sampler:
@@ -129,13 +142,13 @@ class Sampler:
 
 
 def filtered_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
-    """filter_logits of these rows, [len(rows), vocab]: the temperatures divide all rows at once; only
-    rows with a top-k, top-p or min-p filter are taken one by one."""
+    """filter_logits of these rows, [len(rows), vocab], all at once."""
     temperatures = upload([p.temperature for p in params], logits.device, logits.dtype)
     scaled = logits[upload(rows, logits.device)] / temperatures[:, None]
-    for row, p in enumerate(params):
-        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-            scaled[row] = _filter_scaled(scaled[row], p)
+    filtered = [row for row, p in enumerate(params) if _filters(p)]
+    if filtered:
+        index = upload(filtered, logits.device)
+        scaled = scaled.index_copy(0, index, filter_rows(scaled[index], [params[row] for row in filtered]))
     return scaled
 
 
