@@ -56,37 +56,45 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_k_t = upload(top_k, device)
     top_p = upload([p.top_p for p in params], device, dtype)
     min_p = upload([p.min_p for p in params], device, dtype)
+    # which filters any row asks for: the others are skipped (a lone row on CUDA pays only for its own)
+    asks = (any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
     if not logits.is_cuda and vocab > TOP_P_CANDIDATES and all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
         values, order = torch.topk(logits, TOP_P_CANDIDATES)
         # probabilities over the whole row where no top-k cut it to the candidates
         whole = torch.logsumexp(logits, -1)[:, None]
-        values = _mask_ranked(values, top_k_t, top_p, min_p, upload([k == vocab for k in top_k], device, torch.bool),
+        values = _mask_ranked(values, top_k_t, top_p, min_p, asks, upload([k == vocab for k in top_k], device, torch.bool),
                               whole)
         if bool(torch.isinf(values[:, -1]).all()):  # every row dropped a candidate: all later tokens go too
             return torch.full_like(logits, float("-inf")).scatter(-1, order, values)
     values, order = torch.sort(logits, descending=True)
-    values = _mask_ranked(values, top_k_t, top_p, min_p)
+    values = _mask_ranked(values, top_k_t, top_p, min_p, asks)
     return logits.scatter(-1, order, values)
 
 
 def _mask_ranked(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 whole_row: torch.Tensor | None = None, normaliser: torch.Tensor | None = None) -> torch.Tensor:
+                 asks: tuple[bool, bool, bool], whole_row: torch.Tensor | None = None,
+                 normaliser: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of logits ranked most likely first (all of a row, or its leading candidates) with
     -inf where top-k, top-p or min-p drops a token. top-k keeps ties with the k-th logit; top-p
     drops a token when the more likely ones already reach top_p (the first always stays); min-p
     drops a token less likely than min_p times the most likely one. Top-p's probabilities are a
     softmax over what top-k kept, or, for candidates of rows top-k left whole (whole_row), against
-    the whole row's normaliser (its logsumexp)."""
-    kth = values.gather(-1, (top_k - 1).clamp(max=values.shape[-1] - 1)[:, None])
-    values = values.masked_fill(values < kth, float("-inf"))
-    probs = values.softmax(-1)
-    if normaliser is not None:
-        probs = torch.where(whole_row[:, None], (values - normaliser).exp(), probs)
-    kept = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    kept[:, 0] = True  # however small top_p is (even below float32's range)
-    values = values.masked_fill(kept.logical_not(), float("-inf"))
-    probs = values.softmax(-1)
-    return values.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+    the whole row's normaliser (its logsumexp). asks: whether any row has a top-k, a top-p, a min-p."""
+    asks_top_k, asks_top_p, asks_min_p = asks
+    if asks_top_k:
+        kth = values.gather(-1, (top_k - 1).clamp(max=values.shape[-1] - 1)[:, None])
+        values = values.masked_fill(values < kth, float("-inf"))
+    if asks_top_p:
+        probs = values.softmax(-1)
+        if normaliser is not None:
+            probs = torch.where(whole_row[:, None], (values - normaliser).exp(), probs)
+        kept = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        kept[:, 0] = True  # however small top_p is (even below float32's range)
+        values = values.masked_fill(kept.logical_not(), float("-inf"))
+    if asks_min_p:
+        probs = values.softmax(-1)
+        values = values.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+    return values
 
 
 class Sampler:
