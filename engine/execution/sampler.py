@@ -30,10 +30,7 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks on one row of logits."""
-    scaled = logits / params.temperature
-    if not _filters(params):
-        return scaled
-    return filter_rows(scaled[None], [params])[0]
+    return filtered_logits(logits[None], [0], [params])[0]
 
 
 def _filters(params: SamplingParams) -> bool:
