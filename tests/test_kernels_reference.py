@@ -7,6 +7,7 @@ softmax(q k^T * scale) v loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -104,6 +105,34 @@ def test_decode_reads_worked_out_once_serve_every_layer_alike():
     holed = case.tables[2:3].clone()
     holed[0, 1] = -1  # entries 16..31 unreadable: masked, as in a batch
     assert reference.decode_reads(holed, lens[2:3], 16).mask.isinf().sum() > 0
+
+
+def test_lone_sequence_on_one_run_of_blocks_reads_in_place():
+    """A lone sequence whose blocks are one ascending run reads the cache as a view of those blocks:
+    bit for bit what gathering them gives, scales of an 8-bit cache included. Anything else (a
+    batch, blocks out of order, a hole) gathers."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(2, 12, 16, 2, 64, generator=gen).unbind(0)
+    q = torch.randn(1, 8, 64, generator=gen)
+    table = torch.tensor([[3, 4, 5, 6, -1]], dtype=torch.int32)
+    lens = torch.tensor([55], dtype=torch.int32)
+    reads = reference.decode_reads(table, lens, 16)
+    assert reads.run == (3, 4)
+    gathered = dataclasses.replace(reads, run=None)
+    for scales in ({}, None):
+        if scales is None:  # an int8 cache: codes and scales read the same way
+            k8, ks = reference.quantize_rows(k_cache, torch.int8)
+            v8, vs = reference.quantize_rows(v_cache, torch.int8)
+            caches, scales = (k8, v8), {"k_scales": ks, "v_scales": vs}
+        else:
+            caches = (k_cache, v_cache)
+        in_place = reference.paged_decode_attention(q, *caches, table, lens, 0.125, reads=reads, **scales)
+        copied = reference.paged_decode_attention(q, *caches, table, lens, 0.125, reads=gathered, **scales)
+        assert torch.equal(in_place, copied)
+    for other in ([[3, 5, 6, 7]], [[6, 5, 4, 3]], [[-1, 4, 5, 6]]):
+        assert reference.decode_reads(torch.tensor(other, dtype=torch.int32), lens, 16).run is None
+    batch = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]], dtype=torch.int32)
+    assert reference.decode_reads(batch, torch.tensor([55, 60], dtype=torch.int32), 16).run is None
 
 
 def test_paged_decode_attention_ignores_cache_beyond_context():

@@ -110,10 +110,20 @@ class DecodeReads:
     every row) and the additive mask [batch, 1, 1, entries read per row] hiding each row's entries
     past its context or in a hole. Always whole blocks under a mask: SDPA's CPU kernel
     gives the same bits for a row whatever masked blocks trail it, so a sequence's output does not
-    depend on what it is batched with; unmasked or cut mid-block, it rounds differently."""
+    depend on what it is batched with; unmasked or cut mid-block, it rounds differently.
+    run: (first block, count) when a lone sequence's blocks are one ascending run, as a single
+    stream's usually are: the cache is then read in place, a view of the same bytes the gather
+    would copy (docs/design-notes.md, "Model")."""
 
     blocks: torch.Tensor
     mask: torch.Tensor
+    run: tuple[int, int] | None = None
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """These whole blocks of one cache tensor (or its scales), in order."""
+        if self.run is not None:
+            return cache.narrow(0, *self.run)
+        return cache.index_select(0, self.blocks)
 
 
 def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -128,7 +138,17 @@ def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
     visible &= (table >= 0).repeat_interleave(block_size, dim=1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill_(~visible, float("-inf"))
-    return DecodeReads(table.clamp(min=0).flatten(), mask[:, None, None, :])
+    return DecodeReads(table.clamp(min=0).flatten(), mask[:, None, None, :], _one_run(table))
+
+
+def _one_run(table: torch.Tensor) -> tuple[int, int] | None:
+    """(first, count) when table [1, count] holds ascending consecutive blocks, else None."""
+    if table.shape[0] != 1 or table.device.type != "cpu":
+        return None
+    first = int(table[0, 0])
+    if first < 0 or not torch.equal(table[0], torch.arange(first, first + table.shape[1])):
+        return None
+    return first, table.shape[1]
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -146,8 +166,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if reads is None:
         reads = decode_reads(block_tables, context_lens, block_size, query.dtype)
     # [batch, tokens, kv_heads, head_dim], read through the block table
-    keys = _read_blocks(k_cache, k_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)
-    values = _read_blocks(v_cache, v_scales, reads.blocks).view(batch, -1, kv_heads, head_dim)
+    keys = _read_blocks(k_cache, k_scales, reads).view(batch, -1, kv_heads, head_dim)
+    values = _read_blocks(v_cache, v_scales, reads).view(batch, -1, kv_heads, head_dim)
     # The query heads of one KV head are its "query rows": [batch, kv_heads, group, head_dim]
     # against [batch, kv_heads, tokens, head_dim], plain attention with no GQA expansion (on the
     # CPU, SDPA's masked GQA path is several times slower than this). K/V stay strided views of
@@ -159,11 +179,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.reshape(batch, q_heads, head_dim)
 
 
-def _read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+def _read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, reads: DecodeReads) -> torch.Tensor:
     """Whole blocks of the cache, as values."""
     if scales is None:
-        return cache.index_select(0, blocks)
-    return dequantize(cache.index_select(0, blocks), scales.index_select(0, blocks))
+        return reads.read(cache)
+    return dequantize(reads.read(cache), reads.read(scales))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
