@@ -149,8 +149,11 @@ class Sampler:
 def filtered_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
     """filter_logits of these rows, [len(rows), vocab], all at once."""
     temperatures = upload([p.temperature for p in params], logits.device, logits.dtype)
-    scaled = logits[upload(rows, logits.device)] / temperatures[:, None]
+    chosen = logits if rows == list(range(logits.shape[0])) else logits[upload(rows, logits.device)]
+    scaled = chosen / temperatures[:, None]
     filtered = [row for row, p in enumerate(params) if _filters(p)]
+    if len(filtered) == len(params):  # every row filtered: no gather, no copy back
+        return filter_rows(scaled, params)
     if filtered:
         index = upload(filtered, logits.device)
         scaled = scaled.index_copy(0, index, filter_rows(scaled[index], [params[row] for row in filtered]))
@@ -161,6 +164,6 @@ def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """For each row of probs [rows, vocab], the first token whose cumulative probability (float64)
     exceeds uniforms[row] times the row's total: token i with probability probs[i], never a token of
     probability 0 (the sum does not rise there)."""
-    cdf = probs.double().cumsum(-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
     targets = (upload(uniforms, probs.device, torch.float64) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
