@@ -98,7 +98,7 @@ def use_variant(variant: str) -> None:
         qk_norm_rope_store=qk_norm_rope_store)
 
 
-def greedy(n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+def request_params(n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
     """n tokens, greedy; or sampled at this temperature and top-p (seeded), as a chat samples them."""
     from zipage.engine.config import SamplingParams
 
@@ -116,12 +116,12 @@ def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int,
     # A short run of the same shape first: Triton specialises kernels on sizes (a prefill of
     # num x prompt_len tokens compiles once), which is start-up cost, not time to first token.
     for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed + 1000):
-        engine.add_request(p, greedy(4))
+        engine.add_request(p, request_params(4))
     while engine.has_work():
         engine.step()
     seqs, start = [], time.perf_counter()
     for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed):
-        seqs.append(engine.add_request(p, greedy(output_len, temperature, top_p, seed + len(seqs)), stream=True))
+        seqs.append(engine.add_request(p, request_params(output_len, temperature, top_p, seed + len(seqs)), stream=True))
     before = {k: engine.totals[k] for k in COUNTS}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -213,7 +213,7 @@ def timed_steps(engine, count: int) -> list[float]:
 
 def step_profile(engine, seed: int, profile_path: str | None = None) -> dict:
     """One request decoding: kernels per step (eager forward vs graph) and where a step's time goes."""
-    seq = engine.add_request(prompts_of(1, 64, min(engine.vocab_size, 32000), seed)[0], greedy(400))
+    seq = engine.add_request(prompts_of(1, 64, min(engine.vocab_size, 32000), seed)[0], request_params(400))
     while seq.num_output_tokens < 2:
         engine.step()
     runner = engine.runner
@@ -243,7 +243,7 @@ def copy_bandwidth() -> float:
 
 def loaded_step(engine, batch: int, context: int, bandwidth: float, seed: int,
                 profile_path: str | None = None) -> dict:
-    seqs = [engine.add_request(p, greedy(256)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
+    seqs = [engine.add_request(p, request_params(256)) for p in prompts_of(batch, context, min(engine.vocab_size, 32000), seed)]
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in seqs):
         engine.step()
     runner = engine.runner
@@ -337,7 +337,7 @@ def main(argv=None) -> dict:
         r["startup_s"] = time.perf_counter() - start
         log(f"{args.model} {variant}: engine up in {r['startup_s']:.1f} s")
         try:
-            warm = engine.add_request(prompts_of(1, args.prompt_len, min(engine.vocab_size, 32000), 99)[0], greedy(16))
+            warm = engine.add_request(prompts_of(1, args.prompt_len, min(engine.vocab_size, 32000), 99)[0], request_params(16))
             while not warm.is_finished:
                 engine.step()
             if "interactive" in sections:
