@@ -143,7 +143,7 @@ def decode_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
 
 def _one_run(table: torch.Tensor) -> tuple[int, int] | None:
     """(first, count) when table [1, count] holds ascending consecutive blocks, else None."""
-    if table.shape[0] != 1 or table.device.type != "cpu":
+    if table.shape[0] != 1 or table.shape[1] == 0 or table.device.type != "cpu":
         return None
     first = int(table[0, 0])
     if first < 0 or not torch.equal(table[0], torch.arange(first, first + table.shape[1])):
