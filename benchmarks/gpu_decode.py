@@ -13,7 +13,7 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
   loaded: --loaded-batch requests with --loaded-context-token prompts all decoding; the median
       engine step and graph replay against (weights + KV entries read) at the measured
       device-to-device copy bandwidth.
---temperature T (and --top-p P) makes the interactive requests sample, seeded, as a chat does.
+--temperature T (and --top-p P, --top-k K) makes the interactive requests sample, seeded, as a chat does.
 --overlap on|off forces overlapped decode steps on or off (default: the engine's choice, on for CUDA).
 --budget-policy fixed|elastic sets the engine's budget policy (with --compression 1); the interactive
 rows count the compressions (pool_compressions: those run because the pool was short) and preemptions.
@@ -98,11 +98,11 @@ def use_variant(variant: str) -> None:
         qk_norm_rope_store=qk_norm_rope_store)
 
 
-def request_params(n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-    """n tokens, greedy; or sampled at this temperature and top-p (seeded), as a chat samples them."""
+def request_params(n: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
+    """n tokens, greedy; or sampled at this temperature, top-p and top-k (seeded), as a chat samples them."""
     from zipage.engine.config import SamplingParams
 
-    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed if temperature else None,
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed if temperature else None,
                           max_tokens=n, ignore_eos=True)
 
 
@@ -112,7 +112,7 @@ def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int,
-                temperature: float = 0.0, top_p: float = 1.0) -> dict:
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
     # A short run of the same shape first: Triton specialises kernels on sizes (a prefill of
     # num x prompt_len tokens compiles once), which is start-up cost, not time to first token.
     for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed + 1000):
@@ -121,7 +121,7 @@ def interactive(engine, num: int, prompt_len: int, output_len: int, seed: int,
         engine.step()
     seqs, start = [], time.perf_counter()
     for p in prompts_of(num, prompt_len, min(engine.vocab_size, 32000), seed):
-        seqs.append(engine.add_request(p, request_params(output_len, temperature, top_p, seed + len(seqs)), stream=True))
+        seqs.append(engine.add_request(p, request_params(output_len, temperature, top_p, top_k, seed + len(seqs)), stream=True))
     before = {k: engine.totals[k] for k in COUNTS}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -284,6 +284,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="interactive requests sample at this temperature (seeded); 0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="and with this top-p")
+    parser.add_argument("--top-k", type=int, default=0, help="and this top-k (0: none)")
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="plan each decode step while the previous one runs (auto: the engine's default)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script")
@@ -344,7 +345,7 @@ def main(argv=None) -> dict:
                 r["interactive"] = []
                 for n in [int(x) for x in args.concurrency.split(",")]:
                     row = interactive(engine, n, args.prompt_len, args.output_len, args.seed + n,
-                                      args.temperature, args.top_p)
+                                      args.temperature, args.top_p, args.top_k)
                     r["interactive"].append(row)
                     log(f"  interactive: {json.dumps(row)}")
                     save()

@@ -9,7 +9,8 @@ import torch
 from conftest import assert_pool_empty, greedy, random_prompts
 from zipage.engine import SamplingParams
 from zipage.engine.execution.sampler import (TOP_P_CANDIDATES, Sampler, apply_repetition_penalty, filter_logits,
-                                             filtered_logits, inverse_cdf)
+                                             filtered_logits)
+from zipage.kernels.reference import inverse_cdf
 
 PROMPTS = random_prompts(3, [9, 30, 17], seed=91)
 N = 24
@@ -109,13 +110,71 @@ def test_rows_filtered_together_equal_rows_filtered_alone(vocab):
             torch.testing.assert_close(together[i], alone)
 
 
+def kept_by_definition(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Which tokens of one row (already divided by its temperature) the filters keep, token by token
+    and without ranking: top-k keeps every token at least the k-th largest logit; top-p keeps a token
+    when the tokens strictly likelier than it (among those top-k kept) hold less than top_p; min-p
+    keeps a token at least min_p times as likely as the likeliest."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < p.top_k < logits.numel():
+        keep &= logits >= logits.sort(descending=True).values[p.top_k - 1]
+    if p.top_p < 1.0:
+        probs = logits.masked_fill(~keep, float("-inf")).double().softmax(-1)
+        likelier = torch.stack([probs[logits > value].sum() for value in logits])
+        keep &= (likelier < p.top_p) | (logits == logits.max())
+    if p.min_p > 0.0:
+        keep &= (logits - logits.max()).double().exp() >= p.min_p
+    return keep
+
+
+@pytest.mark.parametrize("vocab", [200, 4 * TOP_P_CANDIDATES], ids=["small", "large"])
+def test_filters_keep_every_tie_as_their_definition_does(vocab):
+    """Logits rounded to bf16 (as a bf16 model's head gives them) tie often, also at a row's k-th
+    logit and past its leading candidates: every filter keeps a tie whole, as a definition that
+    never ranks tokens does, whatever order a sort leaves tied tokens in."""
+    gen = torch.Generator().manual_seed(13)
+    cases = [SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=1.0, top_k=20, top_p=0.95),
+             SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=1.0, min_p=0.1),
+             SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)]
+    ties_past_candidates = 0
+    for p in cases:
+        for spread in (0.5, 4.0):
+            logits = (torch.randn(vocab, generator=gen) * spread).bfloat16().float()
+            if 0 < p.top_k:  # many tokens share the k-th logit, most of them far down the vocabulary
+                kth = logits.sort(descending=True).values[p.top_k - 1]
+                logits[torch.randperm(vocab, generator=gen)[:40]] = kth
+                ties_past_candidates += int((logits == kth).sum()) > p.top_k
+            kept = torch.isfinite(filter_logits(logits, p))
+            assert torch.equal(kept, kept_by_definition(logits, p)), p
+    assert ties_past_candidates  # the case where a tie runs past the top-k was really met
+
+
 def test_inverse_cdf_never_picks_a_token_of_probability_zero():
     probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0],
                           [0.0, 0.5, 0.0, 0.0, 0.0, 0.5, 0.0]])
-    assert inverse_cdf(probs, [0.0, 0.0]).tolist() == [2, 1]  # the lowest u: the first possible token
-    assert inverse_cdf(probs, [1 - 2 ** -53] * 2).tolist() == [4, 5]  # the highest: the last one
-    assert inverse_cdf(probs, [0.2499, 0.5]).tolist() == [2, 5]  # u exactly at a boundary: the next token
-    assert inverse_cdf(probs * 3, [0.2501, 0.4999]).tolist() == [4, 1]  # unnormalised rows alike
+
+    def pick(p, uniforms):
+        return inverse_cdf(p, torch.tensor(uniforms, dtype=torch.float64)).tolist()
+
+    assert pick(probs, [0.0, 0.0]) == [2, 1]  # the lowest u: the first possible token
+    assert pick(probs, [1 - 2 ** -53] * 2) == [4, 5]  # the highest: the last one
+    assert pick(probs, [0.2499, 0.5]) == [2, 5]  # u exactly at a boundary: the next token
+    assert pick(probs * 3, [0.2501, 0.4999]) == [4, 1]  # unnormalised rows alike
+
+
+def test_uniforms_drawn_together_equal_uniforms_drawn_row_by_row():
+    """The rows without a generator of their own draw from the engine's in one call: the same
+    numbers, in row order, as one draw a row, and a seeded row's number is its own stream's."""
+    def seeded(seed):
+        return torch.Generator().manual_seed(seed)
+
+    rows = [None, seeded(1), None, None, seeded(2), None]
+    one_by_one, engine = [], seeded(0)
+    for g, own in zip(rows, [None, seeded(1), None, None, seeded(2), None]):
+        one_by_one.append(float(torch.rand((), dtype=torch.float64, generator=own or engine)))
+    sampler = Sampler(0)
+    assert sampler.uniforms(rows) == one_by_one
+    assert len(set(one_by_one)) == len(rows)
 
 
 def test_repetition_penalty_on_known_values():

@@ -566,3 +566,47 @@ def test_decoder_skinny_path(family, monkeypatch):
         monkeypatch.setattr(kernels, name, getattr(tlin, name))
     for got, want in zip(forward(True), plain):
         close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sampling_batch(vocab: int, gen: torch.Generator):
+    """Rows of every kind the sampler sees at once: no filter, top-k alone and with top-p and min-p,
+    top-p alone, ties at the k-th logit (bf16-rounded logits, as a bf16 head gives them), a row a
+    grammar masks down to a few tokens, and uniforms at both ends of [0, 1)."""
+    from zipage.engine import SamplingParams
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02), SamplingParams(temperature=1.0, min_p=0.05),
+              SamplingParams(temperature=0.5, top_p=0.3), SamplingParams(temperature=1.0, top_k=20)]
+    logits = (torch.randn(len(params), vocab, generator=gen) * torch.tensor([3.0, 1, 6, 0.5, 2, 3, 1, 0.5])[:, None])
+    logits = logits.bfloat16().float()
+    kth = logits[7].sort(descending=True).values[19]
+    logits[7, torch.randperm(vocab, generator=gen)[:30]] = kth  # a tie of the k-th logit past the top-k
+    logits[1, 3:] = float("-inf")  # a grammar leaves 3 tokens
+    uniforms = torch.rand(len(params), dtype=torch.float64, generator=gen).tolist()
+    uniforms[0], uniforms[-1] = 0.0, 1 - 2 ** -53
+    return logits, params, uniforms
+
+
+@pytest.mark.parametrize("vocab", [300, 5000], ids=["one-chunk", "three-chunks"])
+@pytest.mark.parametrize("subset", ["all", "unfiltered", "top-k", "top-p"])
+def test_sample_rows(vocab, subset):
+    """The Triton draw takes the reference's token on every row, with the candidates the CUDA sampler
+    ranks (a row's top-k, or every row sorted whole where a filtering row has none)."""
+    from zipage.engine.execution.sampler import rank, sampling_table
+    from zipage.kernels.sampling import triton_sampling
+    gen = torch.Generator().manual_seed(vocab)
+    for _ in range(3):
+        logits, params, uniforms = sampling_batch(vocab, gen)
+        rows = {"all": range(len(params)), "unfiltered": [0], "top-k": [1, 2, 4, 7], "top-p": [3, 5, 6]}[subset]
+        logits, params, uniforms = logits[list(rows)], [params[r] for r in rows], [uniforms[r] for r in rows]
+        ranked, asks = rank(logits, params, may_sync=False)
+        table = sampling_table(params, uniforms, logits)
+        want = ref.sample_rows(logits, table, ranked, asks)
+        got = triton_sampling.sample_rows(logits, table, ranked, asks)
+        assert got.tolist() == want.tolist()
+        kept = torch.isfinite(ref.filtered_rows(logits, table, ranked, asks))
+        assert kept.gather(-1, got[:, None]).all()  # never a token the filters dropped

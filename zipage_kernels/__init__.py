@@ -53,6 +53,7 @@ qk_norm_rope_store = _dispatch("qk_norm_rope_store")
 linear = _dispatch("linear")
 norm_linear = _dispatch("norm_linear")
 silu_mul_linear = _dispatch("silu_mul_linear")
+sample_rows = _dispatch("sample_rows")
 gather_kv = reference.gather_kv
 decode_reads = reference.decode_reads  # the CPU decode attention's reads, once per forward
 

@@ -444,3 +444,93 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """linear(silu_and_mul(x)): the MLP's down projection of its gate/up output [tokens, 2 * n]."""
     return linear(silu_and_mul(x), weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling (docs/design-notes.md, "Sampling")
+
+# Columns of sample_rows' params [rows, 5] (float64): a row without top-k has top_k = vocab, without
+# top-p top_p = 1, without min-p min_p = 0; u in [0, 1) is the row's one uniform draw.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "u")
+
+
+def sample_rows(logits: torch.Tensor, params: torch.Tensor, ranked: torch.Tensor | None,
+                asks: tuple[bool, bool, bool, bool]) -> torch.Tensor:
+    """One token id per row of logits [rows, vocab] (float32, penalised and masked, not yet divided
+    by the temperature): of the row's filtered_rows softmaxed, the first token whose cumulative
+    probability (float64, vocabulary order) exceeds u times the row's total."""
+    return inverse_cdf(filtered_rows(logits, params, ranked, asks).softmax(-1), params[:, 4])
+
+
+def filtered_rows(logits: torch.Tensor, params: torch.Tensor, ranked: torch.Tensor | None,
+                  asks: tuple[bool, bool, bool, bool]) -> torch.Tensor:
+    """Each row's logits / temperature, -inf where its top-k, top-p or min-p drops a token. ranked
+    [rows, C]: each row's C largest logits, largest first (C = vocab: the row sorted whole), or None
+    when no row filters. asks: whether any filtering row has a top-k, a top-p, a min-p, and whether
+    every filtering row has a top-k. Where every filtering row has a top-k of at most C, its kept
+    tokens are settled by its candidates; otherwise (only the CPU passes fewer candidates) an
+    unsettled row sends the rows to a whole sort."""
+    temperature, top_k, top_p, min_p, _ = params.unbind(-1)
+    vocab = logits.shape[-1]
+    temperature = temperature.to(logits.dtype)[:, None]
+    scaled = logits / temperature
+    if ranked is None:
+        return scaled
+    top_k, top_p, min_p = top_k.long(), top_p.to(logits.dtype), min_p.to(logits.dtype)
+    filters = (top_k < vocab) | (top_p < 1.0) | (min_p > 0.0)
+    threshold, unsettled = sampling_threshold(scaled, ranked / temperature, top_k, top_p, min_p, asks)
+    if ranked.shape[-1] < vocab and not asks[3] and bool((unsettled & filters).any()):
+        ranked = torch.sort(scaled, descending=True)[0]
+        threshold = sampling_threshold(scaled, ranked, top_k, top_p, min_p, asks)[0]
+    threshold = threshold.masked_fill(filters.logical_not(), float("-inf"))
+    return scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
+
+
+def sampling_threshold(scaled: torch.Tensor, values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor, asks: tuple[bool, bool, bool, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's lowest kept logit and whether the row is unsettled by its candidates.
+
+    Each filter keeps a row's likeliest tokens down to some logit, so together they keep every token
+    at or above one threshold: the logit of the last kept candidate, with values [rows, C] the
+    row's C largest scaled logits, largest first. top-k keeps ties with the k-th logit; top-p drops a
+    token when the strictly likelier ones already reach top_p (so it keeps a tie whole; the first
+    token always stays), its probabilities a softmax over what top-k kept of the whole row; min-p
+    drops a token less likely than min_p times the most likely one. A row is unsettled when it keeps
+    its last candidate and no top-k stops within the candidates: later tokens may be kept too."""
+    asks_top_k, asks_top_p, asks_min_p, all_top_k = asks
+    vocab, candidates = scaled.shape[-1], values.shape[-1]
+    whole = candidates == vocab
+    kept = torch.ones_like(values, dtype=torch.bool)
+    kth = values.gather(-1, (top_k - 1).clamp(max=candidates - 1)[:, None])
+    if asks_top_k:
+        kept &= values >= kth
+    if asks_top_p:
+        ranked = values.masked_fill(kept.logical_not(), float("-inf")) if asks_top_k else values
+        if whole or asks_top_k:
+            normaliser = ranked.logsumexp(-1, keepdim=True)
+        else:  # the candidates against the whole row
+            normaliser = scaled.logsumexp(-1, keepdim=True)
+        if not whole and asks_top_k:  # against what top-k kept of the whole row
+            has_top_k = (top_k < vocab)[:, None]
+            # ties with the k-th logit may lie past the candidates: count them in
+            past = (scaled == kth).sum(-1, keepdim=True) - (values == kth).sum(-1, keepdim=True)
+            normaliser = torch.where(has_top_k, torch.logaddexp(normaliser, kth + past.to(kth.dtype).log()), normaliser)
+            if not all_top_k:
+                normaliser = torch.where(has_top_k, normaliser, scaled.logsumexp(-1, keepdim=True))
+        probs = (ranked - normaliser).exp()
+        kept &= (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    if asks_min_p:
+        kept &= (values - values[:, :1]).exp() >= min_p[:, None]
+    kept[:, 0] = True
+    # the kept tokens are a prefix of the ranking: the threshold is the last one's logit
+    last = kept.sum(-1, keepdim=True) - 1
+    return values.gather(-1, last)[:, 0], kept[:, -1] & (top_k > candidates)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row of probs [rows, vocab], the first token whose cumulative probability (float64)
+    exceeds uniforms[row] (float64) times the row's total: token i with probability probs[i], never a
+    token of probability 0 (the sum does not rise there)."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    targets = (uniforms.to(torch.float64) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)

@@ -2,8 +2,8 @@
 
 Importing this module never fails: without Triton, or without CUDA, it registers nothing and the
 engine keeps the PyTorch reference path. The kernels themselves live in triton_attention,
-triton_cache, triton_scores, triton_fused and
-triton_linear; under TRITON_INTERPRET=1 tests call them directly on CPU tensors.
+triton_cache, triton_scores, triton_fused, triton_linear and sampling/triton_sampling; under
+TRITON_INTERPRET=1 tests call them directly on CPU tensors.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ IMPORT_ERROR: BaseException | None = None
 
 try:
     from zipage.kernels import triton_attention, triton_cache, triton_fused, triton_linear, triton_scores
+    from zipage.kernels.sampling import triton_sampling
 
-    for _module in (triton_attention, triton_cache, triton_scores, triton_fused, triton_linear):
+    for _module in (triton_attention, triton_cache, triton_scores, triton_fused, triton_linear, triton_sampling):
         for _name in NAMES:
             if hasattr(_module, _name):
                 IMPLS[_name] = getattr(_module, _name)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from zipage import kernels
 from zipage.engine.config import SamplingParams
 from zipage.engine.execution.grammar_masks import mask_rows
 from zipage.engine.execution.penalties import apply_count_penalties
+from zipage.kernels import reference
 
 
 def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -33,65 +35,60 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return filtered_logits(logits[None], [0], [params])[0]
 
 
+def filtered_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """These rows [len(rows), vocab] divided by their temperatures, -inf where their filters drop a
+    token: what a sampled row draws from."""
+    chosen = logits if rows == list(range(logits.shape[0])) else logits[upload(rows, logits.device)]
+    ranked, asks = rank(chosen, params)
+    return reference.filtered_rows(chosen, sampling_table(params, [0.0] * len(params), chosen), ranked, asks)
+
+
 def _filters(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
-# On the CPU the filters look first among this many most likely tokens: a full sort of a 49k
-# vocabulary took 3.3 ms a row on a 2-core CPU, the top 1,024 0.4 ms, and a nucleus rarely holds
-# more. (On CUDA one sort of all rows is cheap, and asking whether the candidates suffice would
-# wait for the device.)
+# The filters look first among each row's likeliest tokens, by topk, rather than sort whole rows.
+# Rows whose filters all carry a top-k of at most this many need only their top-k (on an H100 a
+# lone row's sort of 151,936 logits cost more than its top-k: docs/benchmarks.md, "Sampling on CUDA in
+# three launches"). On the CPU, where a full sort of a 49k vocabulary took 3.3 ms a row and its top
+# 1,024 0.4 ms, rows of top-p or min-p look at this many first, as a nucleus rarely holds more. (On
+# CUDA asking whether those candidates suffice would wait for the device, so such rows are sorted
+# whole there.)
 TOP_P_CANDIDATES = 1024
 
 
-def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The top-k, top-p and min-p masks (in that order) on rows [rows, vocab] already divided by
-    their temperatures, all rows at once: each row ranked once, most likely first."""
-    rows, vocab = logits.shape
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    device, dtype = logits.device, logits.dtype
-    top_k_t = upload(top_k, device)
-    top_p = upload([p.top_p for p in params], device, dtype)
-    min_p = upload([p.min_p for p in params], device, dtype)
-    # which filters any row asks for: the others are skipped (a lone row on CUDA pays only for its own)
-    asks = (any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
-    if not logits.is_cuda and vocab > TOP_P_CANDIDATES and all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
-        values, order = torch.topk(logits, TOP_P_CANDIDATES)
-        # probabilities over the whole row where no top-k cut it to the candidates
-        whole = torch.logsumexp(logits, -1)[:, None]
-        values = _mask_ranked(values, top_k_t, top_p, min_p, asks, upload([k == vocab for k in top_k], device, torch.bool),
-                              whole)
-        if bool(torch.isinf(values[:, -1]).all()):  # every row dropped a candidate: all later tokens go too
-            return torch.full_like(logits, float("-inf")).scatter(-1, order, values)
-    values, order = torch.sort(logits, descending=True)
-    values = _mask_ranked(values, top_k_t, top_p, min_p, asks)
-    return logits.scatter(-1, order, values)
+def rank(logits: torch.Tensor, params: list[SamplingParams],
+         may_sync: bool | None = None) -> tuple[torch.Tensor | None, tuple[bool, bool, bool, bool]]:
+    """The candidates sample_rows needs, [rows, C] largest first (None when no row filters), and its
+    `asks`. may_sync (default: off CUDA): sample_rows may find a row's candidates short and sort whole."""
+    vocab = logits.shape[-1]
+    filtering = [p for p in params if _filters(p)]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in filtering]
+    every_top_k = all(k < vocab for k in top_k)
+    asks = (any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in filtering),
+            any(p.min_p > 0.0 for p in filtering), every_top_k)
+    if not filtering:
+        return None, asks
+    if may_sync is None:
+        may_sync = not logits.is_cuda
+    if every_top_k and max(top_k) <= TOP_P_CANDIDATES:
+        candidates = max(top_k)
+    elif may_sync and all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
+        candidates = min(TOP_P_CANDIDATES, vocab)
+    else:
+        candidates = vocab
+    if candidates == vocab:
+        return torch.sort(logits, descending=True)[0], asks
+    return torch.topk(logits, candidates)[0], asks
 
 
-def _mask_ranked(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 asks: tuple[bool, bool, bool], whole_row: torch.Tensor | None = None,
-                 normaliser: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of logits ranked most likely first (all of a row, or its leading candidates) with
-    -inf where top-k, top-p or min-p drops a token. top-k keeps ties with the k-th logit; top-p
-    drops a token when the more likely ones already reach top_p (the first always stays); min-p
-    drops a token less likely than min_p times the most likely one. Top-p's probabilities are a
-    softmax over what top-k kept, or, for candidates of rows top-k left whole (whole_row), against
-    the whole row's normaliser (its logsumexp). asks: whether any row has a top-k, a top-p, a min-p."""
-    asks_top_k, asks_top_p, asks_min_p = asks
-    if asks_top_k:
-        kth = values.gather(-1, (top_k - 1).clamp(max=values.shape[-1] - 1)[:, None])
-        values = values.masked_fill(values < kth, float("-inf"))
-    if asks_top_p:
-        probs = values.softmax(-1)
-        if normaliser is not None:
-            probs = torch.where(whole_row[:, None], (values - normaliser).exp(), probs)
-        kept = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        kept[:, 0] = True  # however small top_p is (even below float32's range)
-        values = values.masked_fill(kept.logical_not(), float("-inf"))
-    if asks_min_p:
-        probs = values.softmax(-1)
-        values = values.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-    return values
+def sampling_table(params: list[SamplingParams], uniforms: list[float], logits: torch.Tensor) -> torch.Tensor:
+    """sample_rows' params [rows, 5] (float64, reference.SAMPLING_COLUMNS) on the logits' device,
+    in one upload."""
+    vocab = logits.shape[-1]
+    flat = [x for p, u in zip(params, uniforms) for x in (p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
+                                                           p.top_p, p.min_p, u)]
+    return upload(flat, logits.device, torch.float64).view(len(params), len(reference.SAMPLING_COLUMNS))
 
 
 class Sampler:
@@ -106,6 +103,20 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+
+    def uniforms(self, generators: list[torch.Generator | None]) -> list[float]:
+        """One u in [0, 1) a row, from the row's own generator or, for rows without one, from the
+        engine's in a single call (the same numbers one call a row would give, in row order: a
+        256-row step spent 0.9 ms drawing them one by one)."""
+        shared = [i for i, g in enumerate(generators) if g is None]
+        drawn = torch.rand(len(shared), dtype=torch.float64, generator=self.generator).tolist() if shared else []
+        uniforms = [0.0] * len(generators)
+        for i, u in zip(shared, drawn):
+            uniforms[i] = u
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniforms[i] = float(torch.rand((), dtype=torch.float64, generator=g))
+        return uniforms
 
     def sample(self, logits: torch.Tensor, requests: list[tuple[SamplingParams, list[int], torch.Generator | None]],
                prompt_lens: list[int] | None = None, masks: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
@@ -137,33 +148,11 @@ class Sampler:
         sampled = [i for i, (p, _, _) in enumerate(requests) if not p.greedy]
         if not sampled:
             return logits.argmax(-1)
-        probs = filtered_logits(logits, sampled, [requests[i][0] for i in sampled]).softmax(-1)
-        uniforms = [float(torch.rand((), dtype=torch.float64, generator=requests[i][2] or self.generator))
-                    for i in sampled]
-        picks = inverse_cdf(probs, uniforms)
+        chosen = logits if len(sampled) == len(requests) else logits[upload(sampled, logits.device)]
+        params = [requests[i][0] for i in sampled]
+        uniforms = self.uniforms([requests[i][2] for i in sampled])
+        ranked, asks = rank(chosen, params)
+        picks = kernels.sample_rows(chosen, sampling_table(params, uniforms, chosen), ranked, asks)
         if len(sampled) == len(requests):  # no greedy row: no argmax over the vocabulary
             return picks
         return logits.argmax(-1).index_copy(0, upload(sampled, logits.device), picks)
-
-
-def filtered_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
-    """filter_logits of these rows, [len(rows), vocab], all at once."""
-    temperatures = upload([p.temperature for p in params], logits.device, logits.dtype)
-    chosen = logits if rows == list(range(logits.shape[0])) else logits[upload(rows, logits.device)]
-    scaled = chosen / temperatures[:, None]
-    filtered = [row for row, p in enumerate(params) if _filters(p)]
-    if len(filtered) == len(params):  # every row filtered: no gather, no copy back
-        return filter_rows(scaled, params)
-    if filtered:
-        index = upload(filtered, logits.device)
-        scaled = scaled.index_copy(0, index, filter_rows(scaled[index], [params[row] for row in filtered]))
-    return scaled
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """For each row of probs [rows, vocab], the first token whose cumulative probability (float64)
-    exceeds uniforms[row] times the row's total: token i with probability probs[i], never a token of
-    probability 0 (the sum does not rise there)."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    targets = (upload(uniforms, probs.device, torch.float64) * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
