@@ -13,7 +13,8 @@ Sections (each in its own try/except: a failure is recorded and the script goes 
      CUDA graph of split-K products, also launched early with programmatic dependent launch on Hopper,
      decode attention's graph, and the RoPE/store kernel then decode attention replayed on new tokens,
      against plain launches); an engine with early launches against
-     the same engine without them (same tokens);
+     the same engine without them (same tokens); the draw of next tokens (sample_rows) against the
+     reference on bf16-rounded logits of Qwen3's vocabulary;
   2. engine parity: check_engine_parity() - greedy tokens of the CUDA engine (fp32, Triton kernels)
      against transformers on tiny random Llama/Qwen2/Qwen3 models;
   3. timings (triton.testing.do_bench, median): paged decode attention at batch 256 x 2048 tokens
@@ -537,6 +538,35 @@ def check_fused(report: Report, s: Sizes, gen):
             report.check(f"{tag} (k cache)", rel_err(k_cache, kc), tol)
             report.check(f"{tag} (v cache)", rel_err(v_cache, vc), tol)
             report.check(f"{tag} (query rows)", rel_err(qcache, qc), tol)
+
+
+SAMPLING_SETTINGS = (dict(temperature=0.7), dict(temperature=0.6, top_p=0.95), dict(temperature=0.6, top_k=20),
+                     dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05))
+
+
+def check_sampling(report: Report, s: Sizes, gen):
+    """The draw of next tokens (kernels.sample_rows) against the reference on the same rows: logits
+    rounded to bf16 (ties, as a bf16 head gives them) over Qwen3's vocabulary, each setting alone and
+    all mixed in one batch, with the candidates the CUDA sampler ranks. The share of rows whose token
+    differs (only a draw within rounding of a boundary may)."""
+    from zipage.engine import SamplingParams
+    from zipage.engine.execution.sampler import rank, sampling_table
+    from zipage.kernels.sampling import triton_sampling
+
+    vocab = 151936 if s.device == "cuda" else 5000
+    batches = [[SamplingParams(**kw)] * rows for kw in SAMPLING_SETTINGS for rows in (1, 64)]
+    batches.append([SamplingParams(**SAMPLING_SETTINGS[i % len(SAMPLING_SETTINGS)]) for i in range(40)])
+    differ = total = 0
+    for params in batches:
+        logits = (torch.randn(len(params), vocab, generator=gen) * 3).bfloat16().float().to(s.device)
+        uniforms = torch.rand(len(params), dtype=torch.float64, generator=gen).tolist()
+        ranked, asks = rank(logits, params, may_sync=False)
+        table = sampling_table(params, uniforms, logits)
+        got = triton_sampling.sample_rows(logits, table, ranked, asks)
+        want = ref.sample_rows(logits, table, ranked, asks)
+        differ += int((got != want).sum())
+        total += len(params)
+    report.check("sample_rows: rows drawing another token", differ / total, 0.01, f"{differ} of {total} rows")
 
 
 # (N, K) of the Qwen3-0.6B and -8B projections: QKV, O, gate/up, down.
@@ -1411,7 +1441,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,parity,compression_engine,overlap,early,budgets,mixed,"
+                        "cache,decode,prefill,scores,pipeline,graph,fused,skinny,sampling,parity,compression_engine,overlap,early,budgets,mixed,"
                         "logprobs,structured,fp8,timing")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no new section after this many seconds (default 400)")
@@ -1448,6 +1478,7 @@ def main(argv=None) -> int:
         ("graph", "CUDA graph", check_cuda_graph),
         ("fused", "fused layer chains", check_fused),
         ("skinny", "skinny decode products", check_skinny),
+        ("sampling", "sampling", check_sampling),
         ("fp8", "fp8 KV kernels", lambda r, sz, g: check_codes(r, sz, g, "fp8")),
         ("int8", "int8 KV kernels", lambda r, sz, g: check_codes(r, sz, g, "int8")),
     ]

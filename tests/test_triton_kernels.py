@@ -592,17 +592,23 @@ def sampling_batch(vocab: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("vocab", [300, 5000], ids=["one-chunk", "three-chunks"])
-@pytest.mark.parametrize("subset", ["all", "unfiltered", "top-k", "top-p"])
+@pytest.mark.parametrize("subset", ["all", "unfiltered", "top-k", "top-k-alone", "top-p"])
 def test_sample_rows(vocab, subset):
     """The Triton draw takes the reference's token on every row, with the candidates the CUDA sampler
     ranks (a row's top-k, or every row sorted whole where a filtering row has none)."""
     from zipage.engine.execution.sampler import rank, sampling_table
     from zipage.kernels.sampling import triton_sampling
     gen = torch.Generator().manual_seed(vocab)
-    for _ in range(3):
+    for attempt in range(3):
         logits, params, uniforms = sampling_batch(vocab, gen)
-        rows = {"all": range(len(params)), "unfiltered": [0], "top-k": [1, 2, 4, 7], "top-p": [3, 5, 6]}[subset]
-        logits, params, uniforms = logits[list(rows)], [params[r] for r in rows], [uniforms[r] for r in rows]
+        rows = {"all": range(len(params)), "unfiltered": [0], "top-k": [1, 2, 4, 7], "top-k-alone": [1, 7],
+                "top-p": [3, 5, 6]}[subset]
+        if attempt == 0:  # each row drawn at 12 points spread over [0, 1): every part of its distribution
+            rows = [r for r in rows for _ in range(12)]
+            uniforms = [(i % 12 + 0.5) / 12 for i in range(len(rows))]
+        else:
+            uniforms = [uniforms[r] for r in rows]
+        logits, params = logits[list(rows)], [params[r] for r in rows]
         ranked, asks = rank(logits, params, may_sync=False)
         table = sampling_table(params, uniforms, logits)
         want = ref.sample_rows(logits, table, ranked, asks)

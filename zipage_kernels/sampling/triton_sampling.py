@@ -1,13 +1,14 @@
-"""Triton version of `reference.sample_rows`: a sampled row's filters and its inverse-CDF draw in three
-launches, whatever filters the rows ask for, where the PyTorch path launches some twenty small
-kernels a step (docs/design-notes.md, "Sampling").
+"""Triton version of `reference.sample_rows`: a sampled row's filters and its inverse-CDF draw in two
+or three launches, whatever filters the rows ask for, where the PyTorch path launches some twenty
+small kernels a step (docs/design-notes.md, "Sampling").
 
 Each row's vocabulary is cut into chunks of CHUNK logits, one program each:
-1. `_chunk_stats` (when the rows ask for top-p, or none filters): each chunk's largest scaled logit
-   and the sum of exp(logit - that) over the tokens top-k keeps, for top-p's normaliser;
-2. `_chunk_totals`: every program settles its row's threshold from the chunk stats and the row's
-   ranked candidates (the largest logit, the k-th, top-p's last kept candidate), then sums its
-   chunk's kept weights exp(logit - max) in float64;
+1. `_chunk_stats` (unless the rows ask for min-p without top-p): each chunk's largest scaled logit
+   and the sum of exp(logit - that) over the tokens top-k keeps (all, without a top-k): top-p's
+   normaliser, and the chunk's total where no top-p or min-p cuts further;
+2. `_chunk_totals` (with top-p or min-p): every program settles its row's threshold from the chunk
+   stats and the row's ranked candidates (the largest logit, the k-th, top-p's last kept
+   candidate), then sums its chunk's kept weights exp(logit - max) in float64;
 3. `_pick`: one program a row finds the chunk where the running total passes u times the row's
    total and walks that chunk alone.
 Weights are exp(logit - max) left unnormalised: the draw compares u times their sum, as the
@@ -121,7 +122,7 @@ def _chunk_totals(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_
 
 @triton.jit
 def _pick(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_ptr, totals_ptr, out_ptr, vocab, chunks,
-          HAS_RANKED: tl.constexpr, ASK_TOP_K: tl.constexpr, ASK_TOP_P: tl.constexpr,
+          HAS_RANKED: tl.constexpr, ASK_TOP_K: tl.constexpr, ASK_TOP_P: tl.constexpr, FROM_STATS: tl.constexpr,
           CHUNK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, RANKED_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     temperature, top, kth, last_kept, min_p = _threshold(
@@ -129,7 +130,13 @@ def _pick(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_ptr, tot
         HAS_RANKED, ASK_TOP_K, ASK_TOP_P, CHUNKS_BLOCK, RANKED_BLOCK)
     u = tl.load(params_ptr + row * 5 + 4)
     j = tl.arange(0, CHUNKS_BLOCK)
-    totals = tl.load(totals_ptr + row * chunks + j, mask=j < chunks, other=0.0)
+    if FROM_STATS:  # top-k alone keeps what the chunk stats summed: each chunk's total rescaled
+        at = stats_ptr + (row * chunks + j) * 2
+        tops = tl.load(at, mask=j < chunks, other=float("-inf"))
+        zs = tl.load(at + 1, mask=j < chunks, other=0.0)
+        totals = tl.where(j < chunks, (zs * tl.exp(tops - top)).to(tl.float64), 0.0)
+    else:
+        totals = tl.load(totals_ptr + row * chunks + j, mask=j < chunks, other=0.0)
     ends = tl.cumsum(totals, 0)
     target = u * tl.sum(totals, 0)
     # the first chunk whose running total passes the target (rounding aside, the last with weight)
@@ -154,14 +161,19 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, ranked: torch.Tensor
     chunks = triton.cdiv(vocab, CHUNK)
     ask_top_k, ask_top_p = has_ranked and asks[0], has_ranked and asks[1]
     stats = torch.empty(rows, chunks, 2, device=logits.device, dtype=torch.float32)
-    totals = torch.empty(rows, chunks, device=logits.device, dtype=torch.float64)
+    totals = torch.empty(rows, chunks, device=logits.device, dtype=torch.float64)  # unwritten from stats
     out = torch.empty(rows, device=logits.device, dtype=torch.int64)
     common = (logits, logits.stride(0), ranked, ranked.stride(0), ranked.shape[-1], params)
     flags = dict(HAS_RANKED=has_ranked, ASK_TOP_K=ask_top_k)
-    if ask_top_p or not has_ranked:
+    # without top-p or min-p a row keeps what the chunk stats sum (all, or top-k's), so the totals
+    # come from them and the draw takes two launches
+    from_stats = not ask_top_p and not (has_ranked and asks[2])
+    if from_stats or ask_top_p or not has_ranked:
         _chunk_stats[(rows, chunks)](*common, stats, vocab, chunks, **flags, CHUNK=CHUNK, num_warps=4)
     blocks = dict(CHUNK=CHUNK, CHUNKS_BLOCK=max(16, next_pow2(chunks)), RANKED_BLOCK=RANKED_BLOCK)
-    _chunk_totals[(rows, chunks)](*common, stats, totals, vocab, chunks, **flags, ASK_TOP_P=ask_top_p,
-                                  **blocks, num_warps=4)
-    _pick[(rows,)](*common, stats, totals, out, vocab, chunks, **flags, ASK_TOP_P=ask_top_p, **blocks, num_warps=4)
+    if not from_stats:
+        _chunk_totals[(rows, chunks)](*common, stats, totals, vocab, chunks, **flags, ASK_TOP_P=ask_top_p,
+                                      **blocks, num_warps=4)
+    _pick[(rows,)](*common, stats, totals, out, vocab, chunks, **flags, ASK_TOP_P=ask_top_p, FROM_STATS=from_stats,
+                   **blocks, num_warps=4)
     return out
