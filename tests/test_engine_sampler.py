@@ -177,6 +177,18 @@ def test_uniforms_drawn_together_equal_uniforms_drawn_row_by_row():
     assert len(set(one_by_one)) == len(rows)
 
 
+def test_warm_up_leaves_the_engines_stream_as_it_was():
+    """The start-up draws (one per kind of sampling kernel) take nothing from the engine's stream:
+    the unseeded rows after them draw what they would have drawn without them."""
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(4))
+    requests = [(SamplingParams(temperature=1.0), [], None)] * 2
+    warmed, cold = Sampler(7), Sampler(7)
+    warmed.warm_up(logits)
+    draws = [warmed.sample(logits, requests) for _ in range(5)]
+    assert draws == [cold.sample(logits, requests) for _ in range(5)]
+    assert len({tuple(d) for d in draws}) > 1  # the draws really come from the stream
+
+
 def test_repetition_penalty_on_known_values():
     logits = torch.tensor([2.0, -2.0, 0.5, -0.5, 1.0])
     out = apply_repetition_penalty(logits, [0, 1, 1, 3], 2.0)

@@ -164,8 +164,8 @@ class ModelRunner:
     def _warm_up_eager_shapes(self) -> None:
         """Run each kind of eager forward once before serving: prefills of a few, some and many
         tokens (each its own attention tiling) and a mixed step, with and without the window-query
-        store, so no kernel is compiled on first use while requests stream (docs/design-notes.md,
-        "Scheduling"). Nothing is written: every slot is -1, and attention reads block 0 only."""
+        store, and each kind of sampling draw, so no kernel is compiled on first use while requests
+        stream (docs/design-notes.md, "Scheduling"). Nothing is written: every slot is -1, and attention reads block 0 only."""
         shapes = [(0, 8), (0, 64), (0, 128), (2, 64)]
         stores = (False, True) if self.compression and self.query_cache.numel() else (False,)
         for (decoders, chunk), store_queries in itertools.product(shapes, stores):
@@ -184,7 +184,8 @@ class ModelRunner:
                 fwd.query_cache = list(self.query_cache.unbind(0))
             ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(ids, torch.zeros(tokens, dtype=torch.int64, device=self.device), fwd)
-            self.model.logits(hidden[-1:])
+            logits = self.model.logits(hidden[-1:])
+        self.sampler.warm_up(logits.float())
         torch.cuda.synchronize(self.device)
 
     # -- memory ------------------------------------------------------------------

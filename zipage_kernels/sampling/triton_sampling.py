@@ -29,7 +29,7 @@ CHUNK = 2048  # logits a program reads: 75 programs a row for a 151,936 vocabula
 RANKED_BLOCK = 1024  # candidates read at a time while walking top-p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_r", "n_ranked"])  # one kernel whatever the top-k
 def _chunk_stats(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_ptr, vocab, chunks,
                  HAS_RANKED: tl.constexpr, ASK_TOP_K: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -106,7 +106,7 @@ def _weights(logits_ptr, s_l, row, cols, vocab, temperature, top, kth, last_kept
     return tl.where(keep, w, 0.0).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_r", "n_ranked"])  # one kernel whatever the top-k
 def _chunk_totals(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_ptr, totals_ptr, vocab, chunks,
                   HAS_RANKED: tl.constexpr, ASK_TOP_K: tl.constexpr, ASK_TOP_P: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, RANKED_BLOCK: tl.constexpr):
@@ -120,7 +120,7 @@ def _chunk_totals(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_
     tl.store(totals_ptr + row * chunks + chunk, tl.sum(w, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_r", "n_ranked"])  # one kernel whatever the top-k
 def _pick(logits_ptr, s_l, ranked_ptr, s_r, n_ranked, params_ptr, stats_ptr, totals_ptr, out_ptr, vocab, chunks,
           HAS_RANKED: tl.constexpr, ASK_TOP_K: tl.constexpr, ASK_TOP_P: tl.constexpr, FROM_STATS: tl.constexpr,
           CHUNK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, RANKED_BLOCK: tl.constexpr):
