@@ -47,6 +47,11 @@ def _filters(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """The row's top-k, vocab where it has none (or one past the vocabulary)."""
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
 # The filters look first among each row's likeliest tokens, by topk, rather than sort whole rows.
 # Rows whose filters all carry a top-k of at most this many need only their top-k (on an H100 a
 # lone row's sort of 151,936 logits cost more than its top-k: docs/benchmarks.md, "Sampling on CUDA in
@@ -63,7 +68,7 @@ def rank(logits: torch.Tensor, params: list[SamplingParams],
     `asks`. may_sync (default: off CUDA): sample_rows may find a row's candidates short and sort whole."""
     vocab = logits.shape[-1]
     filtering = [p for p in params if _filters(p)]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in filtering]
+    top_k = [_top_k(p, vocab) for p in filtering]
     every_top_k = all(k < vocab for k in top_k)
     asks = (any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in filtering),
             any(p.min_p > 0.0 for p in filtering), every_top_k)
@@ -86,8 +91,7 @@ def sampling_table(params: list[SamplingParams], uniforms: list[float], logits: 
     """sample_rows' params [rows, 5] (float64, reference.SAMPLING_COLUMNS) on the logits' device,
     in one upload."""
     vocab = logits.shape[-1]
-    flat = [x for p, u in zip(params, uniforms) for x in (p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
-                                                           p.top_p, p.min_p, u)]
+    flat = [x for p, u in zip(params, uniforms) for x in (p.temperature, _top_k(p, vocab), p.top_p, p.min_p, u)]
     return upload(flat, logits.device, torch.float64).view(len(params), len(reference.SAMPLING_COLUMNS))
 
 
