@@ -1,12 +1,13 @@
-"""PyTorch's int4 CPU product against oneDNN's packed fp32 product, by the number of rows.
+"""PyTorch's int4 CPU product against the float copies' products (FBGEMM float16, oneDNN fp32), by rows.
 
     python benchmarks/cpu_int4_kernel.py                  # SmolLM2's gate/up shape, one thread
     python benchmarks/cpu_int4_kernel.py --rows 1,4,5,16 --out 576 --in 1536 --threads 2
     python benchmarks/cpu_int4_kernel.py --layers 30 --threads 2    # a whole SmolLM2's layer products
 
-Why a quantized layer runs int4 only for products of a few rows (docs/design-notes.md, "Quantized
-CPU weights"). Best of 7 calls per product, after one untimed call; the int4 side is
-`_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path). One weight
+Why a quantized layer runs int4 only for products of a few rows, and its float16 copy for the rest
+(docs/design-notes.md, "Quantized CPU weights"). Best of 7 calls per product, after one untimed call;
+the int4 side is `_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path),
+the float16 copy `cpu_products.HalfWeight` (float32 activations and outputs). One weight
 stays in the CPU's caches from call to call; with --layers N, every timed call runs the products of
 N layers of SmolLM2's shapes (fused q/k/v, o, fused gate/up, down), each weight its own, so the
 weights stream from memory as in a decode step.
@@ -18,6 +19,8 @@ import argparse
 import time
 
 import torch
+
+from zipage.engine.cpu_products import HalfWeight, half_product_works
 
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate/up, down
 
@@ -33,12 +36,14 @@ def best_ms(fn, calls: int = 7) -> float:
 
 
 def weights(out: int, inp: int, gen: torch.Generator) -> tuple:
-    """One weight in both forms: packed int4 codes with bf16 scales-and-zeros, packed fp32."""
+    """One weight in three forms: packed int4 codes with bf16 scales-and-zeros, packed fp32, and the
+    float16 copy (None without FBGEMM)."""
     codes = torch.randint(0, 16, (out, inp), dtype=torch.int32, generator=gen)
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_zeros = torch.randn(inp // 32, out, 2, generator=gen).bfloat16()
-    packed32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out, inp, generator=gen), None)
-    return inp, packed4, scales_zeros, packed32
+    values = torch.randn(out, inp, generator=gen) * 0.05
+    packed32 = torch.ops.mkldnn._reorder_linear_weight(values, None)
+    return inp, packed4, scales_zeros, packed32, HalfWeight(values) if half_product_works() else None
 
 
 def main() -> None:
@@ -60,15 +65,20 @@ def main() -> None:
         xb = {inp: v.bfloat16() for inp, v in x.items()}
 
         def int4_products():
-            for inp, packed4, scales_zeros, _ in forms:
+            for inp, packed4, scales_zeros, *_ in forms:
                 torch.ops.aten._weight_int4pack_mm_for_cpu(xb[inp], packed4, 32, scales_zeros)
 
         def fp32_products():
-            for inp, _, _, packed32 in forms:
+            for inp, _, _, packed32, _ in forms:
                 torch.ops.mkldnn._linear_pointwise(x[inp], packed32, None, "none", [], "")
 
+        def fp16_products():
+            for inp, *_, half in forms:
+                half(x[inp])
+
         int4, fp32 = best_ms(int4_products), best_ms(fp32_products)
-        print(f"{rows:4d} rows: int4 {int4:7.2f} ms   packed fp32 {fp32:7.2f} ms   int4/fp32 {int4 / fp32:5.2f}")
+        fp16 = f"{best_ms(fp16_products):7.2f} ms" if half_product_works() else "(no FBGEMM)"
+        print(f"{rows:4d} rows: int4 {int4:7.2f} ms   float16 copy {fp16}   packed fp32 {fp32:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 from zipage.engine.execution.models.quantized import Int4Weight, QuantizedEmbedding, QuantizedWeights, pack_int4
 from zipage.engine.execution.models.quantized import INT4_MAX_ROWS
+from zipage.engine.execution.models.decoder import Linear
+from zipage.engine.cpu_products import HalfWeight, half_product_works
 from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors, tensor_index
 from zipage.engine.loading.loader import ModelSource, _converted_dir, cpu_weight_forms
 from zipage.engine.loading.model_registry import RANDOM_PRESETS, byte_tokenizer
@@ -36,6 +38,10 @@ def q4_k_blocks(rows: int, cols: int, rng) -> QuantizedTensor:
     blocks[..., 0:2] = np.array([0.004], dtype=np.float16).view(np.uint8)
     blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
     return QuantizedTensor("Q4_K", (rows, cols), blocks.reshape(rows, -1))
+
+
+needs_fbgemm = pytest.mark.skipif(not half_product_works(), reason="this torch has no FBGEMM float16 product")
+HALF_LOGPROB_TOLERANCE = 1e-2
 
 
 def weights(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -166,22 +172,33 @@ def prompt_logprobs(core: EngineCore, prompt: list[int]) -> list:
     return finished(core, prompt, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1)).prompt_logprobs[1:]
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("family,qtype,embedding", [("llama-tiny", "Q4_1", "Q8_0"), ("qwen3-tiny", "Q4_0", "Q4_0")])
 def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family, qtype, embedding, capsys,
                                                                          monkeypatch):
-    rows_seen = []
-    forward = Int4Weight.forward
-    monkeypatch.setattr(Int4Weight, "forward", lambda self, x: rows_seen.append(x.shape[0]) or forward(self, x))
+    rows_seen, copy_rows = [], []
+    for form, seen in ((Int4Weight, rows_seen), (HalfWeight, copy_rows)):
+        monkeypatch.setattr(form, "forward", lambda self, x, f=form.forward, s=seen: s.append(x.shape[0]) or f(self, x))
     config = RANDOM_PRESETS[family].make_config()
     source = gguf_source(config, write_gguf(config, qtype, seed=7, embedding=embedding))
     quant, plain = engine(source, "auto"), engine(source, "float32")
     report = quant.runner.model.weight_report.forms
     tied = config.tie_word_embeddings
-    assert report[f"{qtype} -> int4"] == 4 * config.num_hidden_layers + (0 if tied else 1)  # + an untied head
+    assert report[f"{qtype} -> int4 / float16"] == 4 * config.num_hidden_layers + (0 if tied else 1)  # + an untied head
     assert report[f"{embedding} -> embedding rows"] == 1
-    assert report[f"{embedding} -> int4 LM head"] == (1 if tied else 0)
+    assert report[f"{embedding} -> int4 / float16 LM head"] == (1 if tied else 0)
     assert plain.runner.model.weight_report.forms == {}  # float32: nothing kept quantized
     assert capsys.readouterr().err == ""  # nothing fell back
+    # The copies replace the float32 values: no layer keeps its float32 weight (nor a tied head), and
+    # the memory counted holds each copied value in 2 bytes.
+    model = quant.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and m.packed is None and m.quant.copy is not None for m in layers)
+    copied = sum(m.in_features * m.out_features for m in layers) + (config.vocab_size * config.hidden_size if tied else 0)
+    assert sum(m.nbytes for m in model.modules() if isinstance(m, HalfWeight)) == 2 * copied
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert quant.runner.weight_bytes == held + 2 * copied
+    assert model.head_weight is None and model._packed_head is None
     gen = torch.Generator().manual_seed(8)
     agree = total = 0
     for _ in range(4):
@@ -195,19 +212,22 @@ def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family,
             agree += next(iter(ref.top)) == token
             total += 1
     assert agree / total >= 0.9
-    # decode steps ran int4; the 20-token prefills, past INT4_MAX_ROWS (4 or 16 by the CPU), did not
+    # decode steps ran int4; the 20-token prefills, past INT4_MAX_ROWS (4 or 16 by the CPU), ran the copies
     assert 1 in rows_seen and max(rows_seen) <= INT4_MAX_ROWS < 20
+    assert 20 in copy_rows and min(copy_rows) > INT4_MAX_ROWS
 
 
-def test_a_type_no_kernel_runs_is_dequantized_and_said_so(capsys):
+@needs_fbgemm
+def test_a_type_no_kernel_runs_on_its_float16_copy_and_said_so(capsys):
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     source = gguf_source(config, write_gguf(config, "Q5_0", seed=9))
     core = engine(source, "auto")
-    assert core.runner.model.weight_report.forms["Q5_0 -> dequantized float32"] == 4 * config.num_hidden_layers + 1
-    assert "Q5_0 weights run dequantized on the CPU: no PyTorch CPU kernel for Q5_0 blocks" in capsys.readouterr().err
+    assert core.runner.model.weight_report.forms["Q5_0 -> float16"] == 4 * config.num_hidden_layers + 1
+    assert "Q5_0 weights run as float16 on the CPU: no PyTorch CPU kernel for Q5_0 blocks" in capsys.readouterr().err
     prompt = list(range(30))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
-    assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=1e-4)
+    # float16 holds Q5_0's values within 2**-11 of themselves
+    assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=HALF_LOGPROB_TOLERANCE)
 
 
 def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -254,10 +274,11 @@ def test_a_damaged_cache_of_quantized_forms_is_rebuilt(monkeypatch):
     assert len(builds) == 3
 
 
+@needs_fbgemm
 def test_the_listing_says_what_a_gguf_runs_as():
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     forms = cpu_weight_forms(write_gguf(config, "Q4_1", seed=10))
-    assert "Q4_1 x15 int4" in forms and "Q8_0 x1 embedding rows, else float32" in forms
+    assert "Q4_1 x15 int4 / float16" in forms and "Q8_0 x1 embedding rows / float16" in forms
 
 
 def test_a_truncated_gguf_is_a_clear_error(tmp_path):
@@ -277,3 +298,54 @@ def test_a_truncated_gguf_is_a_clear_error(tmp_path):
 def test_the_weight_dtype_knob_refuses_what_it_cannot_do(knobs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**knobs)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("tokens", [0, 1, 5, 37])
+def test_the_float16_copy_computes_in_float32_from_float16_rounded_weights(tokens):
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(96, 160, generator=gen) * 0.05
+    x = torch.randn(tokens, 160, generator=gen)
+    got = HalfWeight(weight)(x)
+    want = x @ weight.half().float().T
+    assert got.dtype == torch.float32 and got.shape == (tokens, 96)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert HalfWeight(weight)(x.bfloat16()).dtype == torch.bfloat16  # the caller's dtype back
+    assert HalfWeight(weight).nbytes == 96 * 160 * 2
+
+
+def test_without_fbgemm_the_copies_stay_float32_and_it_is_said(capsys, monkeypatch):
+    import zipage.engine.execution.models.quantized as quantized_module
+
+    monkeypatch.setattr(quantized_module, "half_product_works", lambda: False)
+    config = RANDOM_PRESETS["qwen3-tiny"].make_config()
+    source = gguf_source(config, write_gguf(config, "Q4_0", seed=15, embedding="Q4_0"))
+    core = engine(source, "auto")
+    forms = core.runner.model.weight_report.forms
+    assert forms["Q4_0 -> int4 / float32"] == 4 * config.num_hidden_layers
+    assert forms["Q4_0 -> int4 / float32 LM head"] == 1
+    assert "no FBGEMM float16 product, so longer products run on float32 copies" in capsys.readouterr().err
+    assert not any(isinstance(m, HalfWeight) for m in core.runner.model.modules())
+    # A prefill runs the float32 copies: exactly what the dequantized model computes.
+    prompt = list(range(5, 35))
+    mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
+    assert [a.logprob for a in mine] == [b.logprob for b in ref]
+
+
+@needs_fbgemm
+def test_a_weight_beyond_float16s_range_keeps_its_float32_values(capsys):
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    names = gguf_names(config)
+    rng = np.random.default_rng(16)
+    tensors = {name: (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32) if isinstance(shape, int)
+               else (rng.standard_normal(shape) * 0.15).astype(np.float32) for name, shape in names.items()}
+    tensors["blk.0.ffn_down.weight"][0, :32] = 1e5  # past float16's 65504
+    source = gguf_source(config, write_gguf(config, "Q8_0", seed=16, only=tensors))
+    core = engine(source, "auto")
+    down = core.runner.model.model.layers[0].mlp.down_proj
+    assert down.quant is None and down.packed is not None  # its float32 values, oneDNN-packed
+    assert core.runner.model.weight_report.forms["Q8_0 -> float32"] == 1
+    assert "values beyond float16's range" in capsys.readouterr().err
+    prompt = list(range(20))
+    mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
+    assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=HALF_LOGPROB_TOLERANCE)

@@ -11,6 +11,7 @@ import torch
 
 from zipage import kernels
 from zipage.engine.config import EngineConfig
+from zipage.engine.cpu_products import HalfWeight
 from zipage.engine.loading.loader import ModelSource
 from zipage.engine.kv.geometry import CompressionGeometry
 from zipage.engine.execution.cuda_graphs import DecodeGraphs
@@ -137,6 +138,7 @@ class ModelRunner:
         self.model.rope.set_length(max_model_len)
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.weight_bytes += sum(m.nbytes for m in self.model.modules() if isinstance(m, HalfWeight))
         # On the CPU the matrix products are most of a step: oneDNN's packed weights speed them up.
         self.packed_weights = self.device.type == "cpu" and self.model.pack_for_cpu()
         self.sampler = Sampler(config.seed)

@@ -174,21 +174,25 @@ def list_models() -> list[dict]:
 
 def cpu_weight_forms(gguf: Path | str) -> str:
     """What a GGUF's weights run as on the CPU under weight_dtype="auto" (the GPU dequantizes them):
-    e.g. "Q4_1 x210 int4, Q8_0 x1 embedding rows, else float32" (engine/execution/models/quantized.py)."""
+    e.g. "Q4_1 x210 int4 / float16, Q8_0 x1 embedding rows / float16": int4 for short products, a
+    float16 copy (float32 without FBGEMM) for the rest (engine/execution/models/quantized.py)."""
     try:
         types = stored_types(gguf)
     except Exception as err:  # a corrupt file: say so rather than fail the listing
         return f"unreadable GGUF ({type(err).__name__})"
+    from zipage.engine.cpu_products import weight_copy_dtype  # imports torch: only when a GGUF is listed
+
+    copies = weight_copy_dtype()
     forms = []
     for qtype, count in sorted(types.items(), key=lambda kv: -kv[1]):
         if qtype in FLOAT_TYPES:  # norms and the like: as stored
             continue
         if qtype in FOUR_BIT_TYPES:
-            forms.append(f"{qtype} x{count} int4")
+            forms.append(f"{qtype} x{count} int4 / {copies}")
         elif qtype in GROUPED_TYPES:
-            forms.append(f"{qtype} x{count} embedding rows, else float32")
+            forms.append(f"{qtype} x{count} embedding rows / {copies}")
         else:
-            forms.append(f"{qtype} x{count} float32")
+            forms.append(f"{qtype} x{count} {copies}")
     return ", ".join(forms)
 
 

@@ -313,8 +313,8 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(hf_config, head_dim_of(hf_config))
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None  # a tied head's packed copy (pack_for_cpu)
-        # A tied head when the embedding stays quantized (models/quantized.py): its own float copy, and
-        # an int4 form for short products where the embedding's type has one.
+        # A tied head when the embedding stays quantized (models/quantized.py): its int4 form for short
+        # products where the embedding's type has one, and a float16 copy, else its own float32 values.
         self.quant_head: nn.Module | None = None
         self.head_weight: torch.Tensor | None = None
         self.weight_report = WeightReport()  # what of a quantized file runs quantized
@@ -353,15 +353,20 @@ class CausalLM(nn.Module):
                 or not cpu_packing_works(dtype)):
             return False
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None:
+            # A weight with a float16 copy (models/quantized.py) has no float32 values left to pack.
+            if isinstance(module, Linear) and module.packed is None and module.weight is not None:
                 module.pack_for_cpu()
-        if self.tied:
+        if self.tied and getattr(self.quant_head, "copy", None) is None and self._tied_head_weight() is not None:
             self._packed_head = pack_weight(self._tied_head_weight().detach())
             self.head_weight = None  # the packed copy holds the same values
         return True
 
-    def _tied_head_weight(self) -> torch.Tensor:
-        return self.head_weight if self.head_weight is not None else self.model.embed_tokens.weight
+    def _tied_head_weight(self) -> torch.Tensor | None:
+        """A tied head's float values: its own copy, else the embedding's (None when the embedding is
+        kept as codes and the head as a float16 copy)."""
+        if self.head_weight is not None:
+            return self.head_weight
+        return getattr(self.model.embed_tokens, "weight", None)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of these rows; written into `out` (same shape) when given."""

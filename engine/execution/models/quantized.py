@@ -4,14 +4,15 @@
 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16 scales-and-zeros (its
 fp32 path is a scalar loop, ~20x slower), for products of at most INT4_MAX_ROWS rows: a decode
 step of a few streams, which streams every weight once. Longer products (prefill chunks, larger
-batches) run on the layer's dequantized copy as before, where the int4 kernel measured slower.
-A quantized embedding is looked up from its codes, one decoded row per token. Every other type,
-and Q8_0 in a matrix product, is dequantized to the model's dtype and runs as before: PyTorch's
-int8 kernel takes one scale per row, and requantizing Q8_0's per-32 scales to one per row moved
-the LM head's top-1 token on 3.4% of random states.
-`install_quantized` gives a model loaded with its float weights the quantized forms, decoded and
-packed once and then cached beside the GGUF's converted copy; `WeightReport` says what runs
-quantized and what was dequantized, and why.
+batches) and every quantized type without an int4 kernel run on the weight's float16 copy
+(`cpu_products.HalfWeight`, FBGEMM), which holds the file's values within float16 rounding in half
+the bytes of float32; where this torch has no FBGEMM they run on a float32 copy. A quantized
+embedding is looked up from its codes, one decoded row per token. PyTorch's int8 kernel takes one
+scale per row, and requantizing Q8_0's per-32 scales to one per row moved the LM head's top-1 token
+on 3.4% of random states, so Q8_0 runs on the float copy too.
+`install_quantized` gives a model loaded with its float weights the quantized forms (the int4 ones
+decoded and packed once, then cached beside the GGUF's converted copy); `WeightReport` says what runs
+as what, and why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zipage.engine.cpu_products import HalfWeight, fits_float16, half_product_works
 from zipage.engine.loading.gguf_tensors import FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, GroupedCodes, QuantizedTensor
 
 # The int4 kernel re-decodes the weights for every few rows, so past some rows oneDNN's packed fp32
@@ -50,6 +52,25 @@ class Int4Weight(nn.Module):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
                                                         self.scales_zeros)
         return out.to(x.dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """A weight from a quantized file: its int4 form (`short`) for the products it takes, its float16
+    copy (`copy`) for the rest. Without a copy (no FBGEMM) it takes only what int4 takes, and the
+    layer's own float32 weight runs the rest."""
+
+    def __init__(self, short: Int4Weight | None, copy: HalfWeight | None):
+        super().__init__()
+        self.short = short
+        self.copy = copy
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.copy is not None or (self.short is not None and self.short.takes(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.short is not None and self.short.takes(x):
+            return self.short(x)
+        return self.copy(x)
 
 
 def pack_int4(groups: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,23 +120,26 @@ class WeightReport:
     """How a model's stored weights run: counts of tensors per "stored type -> form"."""
 
     forms: Counter = field(default_factory=Counter)
-    reasons: dict[str, str] = field(default_factory=dict)  # stored type -> why it was dequantized
+    reasons: dict[str, tuple[str, str]] = field(default_factory=dict)  # stored type -> (form, why not int4)
+    notes: set[str] = field(default_factory=set)  # why a weight runs without a float16 copy
 
     def add(self, qtype: str, form: str, reason: str | None = None) -> None:
         self.forms[f"{qtype} -> {form}"] += 1
         if reason:
-            self.reasons[qtype] = reason
+            self.reasons[qtype] = (form, reason)
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {form}" for form, n in sorted(self.forms.items()))
 
 
 def report_weights(report: WeightReport) -> None:
-    """Say on stderr which stored types were dequantized because no kernel runs them (never silent).
-    Q8_0 in a matrix product is dequantized by design (see the module docstring), so not reported."""
-    for qtype, reason in report.reasons.items():
+    """Say on stderr which stored types run without a quantized kernel, and why (never silent).
+    Q8_0 in a matrix product runs on its float copy by design (see the module docstring), so not reported."""
+    for qtype, (form, reason) in report.reasons.items():
         if qtype != "Q8_0":
-            print(f"zipage: {qtype} weights run dequantized on the CPU: {reason}", file=sys.stderr)
+            print(f"zipage: {qtype} weights run as {form} on the CPU: {reason}", file=sys.stderr)
+    for note in sorted(report.notes):
+        print(f"zipage: {note}", file=sys.stderr)
 
 
 def install_quantized(model, source, map_name) -> WeightReport:
@@ -206,8 +230,9 @@ class QuantizedWeights:
         return forms
 
     def install_forms(self, model, forms: dict[str, torch.Tensor], int4: bool) -> WeightReport:
-        """Give each weight that runs quantized its form from `forms`; the others keep the float values
-        loaded already. Returns what runs as what."""
+        """Give each weight its quantized forms: the int4 one from `forms` where its type has one, and a
+        float16 copy of the float values loaded already where FBGEMM runs (the float32 values are then
+        freed). Returns what runs as what."""
         report = WeightReport()
         dtype = model.model.norm.weight.dtype
         for target, parts in self.parts.items():
@@ -215,13 +240,13 @@ class QuantizedWeights:
             if target == EMBEDDING:
                 self._install_embedding(model, parts[None], forms, int4, dtype, report)
                 continue
+            module = model.get_submodule(target.removesuffix(".weight"))
             why = self._why_not(parts, int4)
-            if why is None:
-                module = model.get_submodule(target.removesuffix(".weight"))
-                module.quant = Int4Weight(*(forms[key] for key in _form_keys(target)))
-                report.add(qtype, "int4")
-            else:
-                report.add(qtype, f"dequantized {str(dtype).removeprefix('torch.')}", why)
+            short = Int4Weight(*(forms[key] for key in _form_keys(target))) if why is None else None
+            module.quant, form = _quantized_linear(short, module.weight, dtype, report)
+            if module.quant is not None and module.quant.copy is not None:
+                module.weight = None  # the copy holds the same values
+            report.add(qtype, form, why)
         return report
 
     @staticmethod
@@ -230,23 +255,38 @@ class QuantizedWeights:
 
     @staticmethod
     def _install_embedding(model, tensor: QuantizedTensor, forms: dict, int4: bool, dtype, report: WeightReport) -> None:
-        if tensor.qtype not in GROUPED_TYPES:
-            report.add(tensor.qtype, "dequantized embedding", f"no decoder for {tensor.qtype} blocks")
-            return
-        # The float values loaded already stay on as a tied head's own copy, for long products.
         values = model.model.embed_tokens.weight.detach()
-        codes = GroupedCodes(*(forms[key] for key in _form_keys(EMBEDDING)))
-        model.model.embed_tokens = QuantizedEmbedding(codes, dtype)
-        report.add(tensor.qtype, "embedding rows")
+        if tensor.qtype in GROUPED_TYPES:
+            codes = GroupedCodes(*(forms[key] for key in _form_keys(EMBEDDING)))
+            model.model.embed_tokens = QuantizedEmbedding(codes, dtype)
+            report.add(tensor.qtype, "embedding rows")
+        else:
+            report.add(tensor.qtype, "dequantized embedding", f"no decoder for {tensor.qtype} blocks")
         if not model.tied:
             return
-        model.head_weight = values
-        why = _why_not_int4({tensor.qtype}, int4, tensor.shape[0])
-        if why is None:
-            model.quant_head = Int4Weight(*(forms[key] for key in _form_keys(TIED_HEAD)))
-            report.add(tensor.qtype, "int4 LM head")
-        else:
-            report.add(tensor.qtype, f"dequantized LM head {str(dtype).removeprefix('torch.')}", why)
+        why = _why_not_int4({tensor.qtype}, int4, tensor.shape[0])  # as `planned` decided
+        short = Int4Weight(*(forms[key] for key in _form_keys(TIED_HEAD))) if why is None else None
+        model.quant_head, form = _quantized_linear(short, values, dtype, report)
+        if model.quant_head is None or model.quant_head.copy is None:
+            model.head_weight = values  # the float values, for the products the quantized forms do not take
+        report.add(tensor.qtype, f"{form} LM head", why)
+
+
+def _quantized_linear(short: Int4Weight | None, values: torch.Tensor, dtype: torch.dtype,
+                      report: WeightReport) -> tuple[QuantizedLinear | None, str]:
+    """One weight's quantized forms and their name: `short` (int4) where given, and a float16 copy of
+    `values` where FBGEMM runs and they fit; without a copy the weight's float `values` run the rest."""
+    copy = None
+    if not half_product_works():
+        report.notes.add("this torch has no FBGEMM float16 product, so longer products run on float32 copies")
+    elif not fits_float16(values):
+        report.notes.add("a weight with values beyond float16's range runs on its float32 copy")
+    else:
+        copy = HalfWeight(values)
+    rest = "float16" if copy is not None else str(dtype).removeprefix("torch.")
+    if short is None and copy is None:
+        return None, rest
+    return QuantizedLinear(short, copy), (f"int4 / {rest}" if short is not None else rest)
 
 
 def _why_not_int4(types: set[str], int4: bool, rows: int) -> str | None:
