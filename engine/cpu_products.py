@@ -51,7 +51,3 @@ def half_product_works() -> bool:
     except Exception:  # noqa: BLE001 - any failure means: float32 copies instead
         return False
 
-
-def weight_copy_dtype() -> str:
-    """The dtype of a quantized weight's float copy on this CPU: "float16" where FBGEMM runs, else "float32"."""
-    return "float16" if half_product_works() else "float32"

@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -180,9 +181,9 @@ def cpu_weight_forms(gguf: Path | str) -> str:
         types = stored_types(gguf)
     except Exception as err:  # a corrupt file: say so rather than fail the listing
         return f"unreadable GGUF ({type(err).__name__})"
-    from zipage.engine.cpu_products import weight_copy_dtype  # imports torch: only when a GGUF is listed
-
-    copies = weight_copy_dtype()
+    # FBGEMM, which the float16 copies run on, ships in torch's x86-64 builds; the listing stays
+    # without torch, and a load checks the product itself (cpu_products.half_product_works).
+    copies = "float16" if platform.machine().lower() in ("x86_64", "amd64") else "float32"
     forms = []
     for qtype, count in sorted(types.items(), key=lambda kv: -kv[1]):
         if qtype in FLOAT_TYPES:  # norms and the like: as stored
