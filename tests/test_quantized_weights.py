@@ -344,7 +344,9 @@ def test_a_weight_beyond_float16s_range_keeps_its_float32_values(capsys):
     core = engine(source, "auto")
     down = core.runner.model.model.layers[0].mlp.down_proj
     assert down.quant is None and down.packed is not None  # its float32 values, oneDNN-packed
-    assert core.runner.model.weight_report.forms["Q8_0 -> float32"] == 1
+    forms = core.runner.model.weight_report.forms
+    assert forms["Q8_0 -> float32"] == 1  # the rest of a Q8_0 file runs on float16 copies
+    assert forms["Q8_0 -> float16"] == 4 * config.num_hidden_layers + 1 - 1  # + the untied head, - down
     assert "values beyond float16's range" in capsys.readouterr().err
     prompt = list(range(20))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
