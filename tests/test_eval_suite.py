@@ -78,6 +78,12 @@ def test_full_kv_is_computed_once_and_reused(tiny_path, tmp_path, monkeypatch):
     monkeypatch.setattr(EngineConfig, "weight_dtype", "float32")
     TINY_RUNS["recall"](tiny_path, **kw)
     assert len(list((tmp_path / "cache").glob("recall-*.pt"))) == 3
+    # So do other forms of a quantized file's CPU weights (float32 copies, as before float16 ones).
+    import zipage.engine.execution.models.quantized as quantized
+
+    monkeypatch.setattr(quantized, "half_product_works", lambda: False)
+    TINY_RUNS["recall"](tiny_path, **kw)
+    assert len(list((tmp_path / "cache").glob("recall-*.pt"))) == 4
 
 
 def test_partial_results_are_written_as_cells_finish(tiny_path, tmp_path):

@@ -248,9 +248,12 @@ def cache_dir() -> Path:
 
 
 def reference_key(task: Task, source, block_size: int, device: str) -> dict:
-    """What full KV's results depend on: the model file, the engine's numbers, the samples."""
+    """What full KV's results depend on: the model file, the engine's numbers (a quantized file's CPU
+    forms among them), the samples."""
+    from zipage.engine.execution.models.quantized import cpu_forms_stamp
+
     return {"model": model_identity(source), "block_size": block_size, "device": device,
-            "numbers": {k: getattr(EngineConfig, k) for k in REFERENCE_NUMBERS},
+            "numbers": {k: getattr(EngineConfig, k) for k in REFERENCE_NUMBERS}, "cpu_forms": cpu_forms_stamp(),
             "samples": [[(r.prompt, r.forced, r.free_tokens) for r in g] for g in task.groups], **task.reference_key}
 
 

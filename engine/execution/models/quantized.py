@@ -36,6 +36,12 @@ INT4_MAX_ROWS_BY_CAPABILITY = {"AVX512": 16}
 INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 4)
 
 
+def cpu_forms_stamp() -> str:
+    """What a quantized file's numbers on the CPU depend on beyond its values: which products run int4
+    and the float copies' dtype (a cache of results computed on them keys by it)."""
+    return f"int4 up to {INT4_MAX_ROWS} rows, {'float16' if half_product_works() else 'float32'} copies"
+
+
 class Int4Weight(nn.Module):
     """A linear layer's weight in PyTorch's int4 CPU layout (`pack_int4`): y = x @ W.T, computed in bf16.
     `takes(x)`: whether it should (x has at most INT4_MAX_ROWS rows)."""
