@@ -31,7 +31,7 @@ from zipage.engine.loading.gguf_tensors import FOUR_BIT_TYPES, GROUP, GROUPED_TY
 # where, depends on torch's CPU capability. Against oneDNN's packed fp32, on a 2-core AVX2 EPYC int4 won
 # up to 4 rows and lost from 5 on (8x at 16 rows); on a 2-core AVX-512 Xeon, over SmolLM2's 30 layers of
 # weights, up to 16 rows (28 against 33 ms) and lost at 24 (docs/benchmarks.md, "Quantized weights on
-# the CPU"). Against the float16 copy the EPYC's crossover is at 2-4 rows, within its noise end to end.
+# the CPU"). Against the float16 copy the EPYC's crossover stays between 4 and 5 rows.
 INT4_MAX_ROWS_BY_CAPABILITY = {"AVX512": 16}
 INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 4)
 
