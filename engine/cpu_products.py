@@ -50,4 +50,3 @@ def half_product_works() -> bool:
         return bool((HalfWeight(weight)(x) - want).abs().max() <= 1e-4 * want.abs().max())
     except Exception:  # noqa: BLE001 - any failure means: float32 copies instead
         return False
-
