@@ -73,7 +73,7 @@ def decode_inputs(group, head_dim, block_size, seed, codes_dtype, lens=None, dty
     gen = torch.Generator().manual_seed(seed)
     lens = lens or ([1, 300, 77] if block_size == 16 else [5, 290, 257])  # not multiples of the block
     k_values, v_values, cache, tables = quantized_paged_cache(lens, block_size, head_dim, gen, codes_dtype,
-                                                              ahead=[1, 0, 1][:len(lens)])
+                                                              ahead=([1, 0, 1] * len(lens))[:len(lens)])
     query = torch.randn(len(lens), KV_HEADS * group, head_dim, generator=gen).to(dtype)
     args = dict(query=query, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32),
                 scale=head_dim ** -0.5)

@@ -47,6 +47,8 @@ def random_paged_cache(lens, block_size: int, kv_heads: int, head_dim: int, gen:
     blocks are allocated past length i. `randn(shape)` draws the caches (default: float32 CPU from
     `gen`); the tables are int32 on the CPU."""
     ahead = ahead or [0] * len(lens)
+    if len(ahead) != len(lens):  # zip would leave the later sequences without blocks
+        raise ValueError(f"ahead gives {len(ahead)} counts for {len(lens)} sequences")
     counts = [max(1, -(-n // block_size)) + a for n, a in zip(lens, ahead)]
     num_blocks = sum(counts) + spare_blocks
     shape = (num_blocks, block_size, kv_heads, head_dim)
