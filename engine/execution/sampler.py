@@ -96,6 +96,8 @@ def sampling_table(params: list[SamplingParams], uniforms: list[float], logits: 
 # temperature alone, top-k alone, top-k with top-p, top-p alone, min-p alone, top-k with min-p.
 WARM_UP_SETTINGS = (dict(), dict(top_k=20), dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(min_p=0.1),
                     dict(top_k=20, min_p=0.1))
+# And one batch mixing them: a top-p row without a top-k beside one with (top-p settled first).
+WARM_UP_MIXED = (dict(top_k=20, top_p=0.9), dict(top_p=0.9))
 
 
 class Sampler:
@@ -118,6 +120,8 @@ class Sampler:
         state = self.generator.get_state()
         for setting in WARM_UP_SETTINGS:
             self.sample_on_device(logits, [(SamplingParams(temperature=1.0, **setting), [], None)] * len(logits))
+        mixed = logits[:1].expand(len(WARM_UP_MIXED), -1)
+        self.sample_on_device(mixed, [(SamplingParams(temperature=1.0, **setting), [], None) for setting in WARM_UP_MIXED])
         self.generator.set_state(state)
 
     def uniforms(self, generators: list[torch.Generator | None]) -> list[float]:
