@@ -468,8 +468,8 @@ def filtered_rows(logits: torch.Tensor, params: torch.Tensor, ranked: torch.Tens
     [rows, C]: each row's C largest logits, largest first (C = vocab: the row sorted whole), or None
     when no row filters. asks: whether any filtering row has a top-k, a top-p, a min-p, and whether
     every filtering row has a top-k. Where every filtering row has a top-k of at most C, its kept
-    tokens are settled by its candidates; otherwise an unsettled row sends the rows to a whole sort
-    (which asks the host; the Triton kernels search such a row on the device instead)."""
+    tokens are settled by its candidates; otherwise (only the CPU passes fewer candidates) an
+    unsettled row sends the rows to a whole sort."""
     temperature, top_k, top_p, min_p, _ = params.unbind(-1)
     vocab = logits.shape[-1]
     temperature = temperature.to(logits.dtype)[:, None]

@@ -55,16 +55,17 @@ def _top_k(params: SamplingParams, vocab: int) -> int:
 # The filters look first among each row's likeliest tokens, by topk, rather than sort whole rows.
 # Rows whose filters all carry a top-k of at most this many need only their top-k (on an H100 a
 # lone row's sort of 151,936 logits cost more than its top-k: docs/benchmarks.md, "Sampling on CUDA in
-# three launches"). Rows of top-p or min-p look at this many first, as a nucleus rarely holds more
-# (on a 2-core CPU a full sort of a 49k vocabulary took 3.3 ms a row, its top 1,024 0.4 ms). A row
-# whose nucleus reaches past them is settled whole by sample_rows: the reference sorts it, the
-# Triton kernels search its row on the device without asking the host (docs/design-notes.md, "Sampling").
+# three launches"). On the CPU, where a full sort of a 49k vocabulary took 3.3 ms a row and its top
+# 1,024 0.4 ms, rows of top-p or min-p look at this many first, as a nucleus rarely holds more. (On
+# CUDA asking whether those candidates suffice would wait for the device, so such rows are sorted
+# whole there.)
 TOP_P_CANDIDATES = 1024
 
 
-def rank(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor | None, tuple[bool, bool, bool, bool]]:
+def rank(logits: torch.Tensor, params: list[SamplingParams],
+         may_sync: bool | None = None) -> tuple[torch.Tensor | None, tuple[bool, bool, bool, bool]]:
     """The candidates sample_rows needs, [rows, C] largest first (None when no row filters), and its
-    `asks`. A top-k past TOP_P_CANDIDATES (but short of the vocabulary) has every row sorted whole."""
+    `asks`. may_sync (default: off CUDA): sample_rows may find a row's candidates short and sort whole."""
     vocab = logits.shape[-1]
     filtering = [p for p in params if _filters(p)]
     top_k = [_top_k(p, vocab) for p in filtering]
@@ -73,9 +74,11 @@ def rank(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
             any(p.min_p > 0.0 for p in filtering), every_top_k)
     if not filtering:
         return None, asks
+    if may_sync is None:
+        may_sync = not logits.is_cuda
     if every_top_k and max(top_k) <= TOP_P_CANDIDATES:
         candidates = max(top_k)
-    elif all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
+    elif may_sync and all(k < TOP_P_CANDIDATES or k == vocab for k in top_k):
         candidates = min(TOP_P_CANDIDATES, vocab)
     else:
         candidates = vocab
@@ -96,8 +99,6 @@ def sampling_table(params: list[SamplingParams], uniforms: list[float], logits: 
 # temperature alone, top-k alone, top-k with top-p, top-p alone, min-p alone, top-k with min-p.
 WARM_UP_SETTINGS = (dict(), dict(top_k=20), dict(top_k=20, top_p=0.9), dict(top_p=0.9), dict(min_p=0.1),
                     dict(top_k=20, min_p=0.1))
-# And one batch mixing them: a top-p row without a top-k beside one with (top-p settled first).
-WARM_UP_MIXED = (dict(top_k=20, top_p=0.9), dict(top_p=0.9))
 
 
 class Sampler:
@@ -120,8 +121,6 @@ class Sampler:
         state = self.generator.get_state()
         for setting in WARM_UP_SETTINGS:
             self.sample_on_device(logits, [(SamplingParams(temperature=1.0, **setting), [], None)] * len(logits))
-        mixed = logits[:1].expand(len(WARM_UP_MIXED), -1)
-        self.sample_on_device(mixed, [(SamplingParams(temperature=1.0, **setting), [], None) for setting in WARM_UP_MIXED])
         self.generator.set_state(state)
 
     def uniforms(self, generators: list[torch.Generator | None]) -> list[float]:
