@@ -1,7 +1,8 @@
 """GGUF weights kept quantized on the CPU (docs/design-notes.md, "Quantized CPU weights"): the block
 decoders against the gguf package's dequantization, PyTorch's int4 product against the dequantized
-matmul, a tiny model written as a real GGUF file run quantized against the same file dequantized,
-the fallback for a type no kernel runs, and the refusals."""
+matmul, a tiny model written as a real GGUF file run quantized (integer dots, and int4 where they are
+unavailable) against the same file dequantized, the fallback for a type no kernel runs, and the
+refusals."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
-from zipage.engine.execution.models.quantized import Int4Weight, QuantizedEmbedding, QuantizedWeights, pack_int4
-from zipage.engine.execution.models.quantized import INT4_MAX_ROWS
+import zipage.engine.execution.models.quantized as quantized_module
+from zipage.engine.execution.models.quantized import Int4Weight, NativeWeight, QuantizedEmbedding, QuantizedWeights
+from zipage.engine.execution.models.quantized import INT4_MAX_ROWS, NATIVE_MAX_ROWS, pack_int4
 from zipage.engine.execution.models.decoder import Linear
 from zipage.engine.cpu_products import HalfWeight, half_product_works
 from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors, tensor_index
@@ -92,10 +94,24 @@ def test_llama_q_and_k_rows_are_put_back_as_transformers_does():
 # A tiny model as a real GGUF file
 
 
+@pytest.fixture(scope="session")
+def _native_build(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("native")
+
+
 @pytest.fixture(autouse=True)
-def _cache_of_their_own(tmp_path, monkeypatch):
-    """The quantized forms are cached beside a GGUF's converted copy: these files' go to a temp cache."""
-    monkeypatch.setenv("ZIPAGE_CACHE", str(tmp_path / "zipage-cache"))
+def _cache_of_their_own(tmp_path, monkeypatch, _native_build):
+    """The quantized forms are cached beside a GGUF's converted copy: these files' go to a temp cache,
+    whose native products are built once for all the tests."""
+    cache = tmp_path / "zipage-cache"
+    cache.mkdir()
+    (cache / "native").symlink_to(_native_build, target_is_directory=True)
+    monkeypatch.setenv("ZIPAGE_CACHE", str(cache))
+
+
+def without_native(monkeypatch) -> None:
+    """As on a machine without a C compiler."""
+    monkeypatch.setattr(quantized_module, "native_kernel", lambda: (None, "no C compiler: 'cc' is not on PATH"))
 
 
 def gguf_names(config) -> dict[str, tuple[int, int] | int]:
@@ -173,27 +189,42 @@ def prompt_logprobs(core: EngineCore, prompt: list[int]) -> list:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("family,qtype,embedding", [("llama-tiny", "Q4_1", "Q8_0"), ("qwen3-tiny", "Q4_0", "Q4_0")])
-def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family, qtype, embedding, capsys,
+@pytest.mark.parametrize("family,qtype,embedding,native", [
+    ("llama-tiny", "Q4_1", "Q8_0", True), ("qwen3-tiny", "Q4_0", "Q4_0", True),
+    ("llama-tiny", "Q4_1", "Q8_0", False), ("qwen3-tiny", "Q4_0", "Q4_0", False)])
+def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family, qtype, embedding, native, capsys,
                                                                          monkeypatch):
+    if not native:
+        without_native(monkeypatch)
+    short, limit = (NativeWeight, NATIVE_MAX_ROWS) if native else (Int4Weight, INT4_MAX_ROWS)
     rows_seen, copy_rows = [], []
-    for form, seen in ((Int4Weight, rows_seen), (HalfWeight, copy_rows)):
+    for form, seen in ((short, rows_seen), (HalfWeight, copy_rows)):
         monkeypatch.setattr(form, "forward", lambda self, x, f=form.forward, s=seen: s.append(x.shape[0]) or f(self, x))
     config = RANDOM_PRESETS[family].make_config()
     source = gguf_source(config, write_gguf(config, qtype, seed=7, embedding=embedding))
     quant, plain = engine(source, "auto"), engine(source, "float32")
     report = quant.runner.model.weight_report.forms
     tied = config.tie_word_embeddings
-    assert report[f"{qtype} -> int4 / float16"] == 4 * config.num_hidden_layers + (0 if tied else 1)  # + an untied head
+    name = "integer dots" if native else "int4"
+    assert report[f"{qtype} -> {name} / float16"] == 4 * config.num_hidden_layers + (0 if tied else 1)  # + an untied head
     assert report[f"{embedding} -> embedding rows"] == 1
-    assert report[f"{embedding} -> int4 / float16 LM head"] == (1 if tied else 0)
+    # A Q8_0 head has integer dots only: without them it runs on its float16 copy.
+    head = name if native or embedding != "Q8_0" else None
+    assert report[f"{embedding} -> {head} / float16 LM head"] == (1 if tied and head else 0)
     assert plain.runner.model.weight_report.forms == {}  # float32: nothing kept quantized
-    assert capsys.readouterr().err == ""  # nothing fell back
+    err = capsys.readouterr().err
+    if native:
+        assert err == ""  # nothing fell back
+    else:  # said why, once per stored type
+        missed = " and ".join(sorted({qtype, embedding}))
+        assert err == (f"zipage: integer dots are unavailable: no C compiler: 'cc' is not on PATH; so {missed} "
+                       "weights run on slower kernels\n")
     # The copies replace the float32 values: no layer keeps its float32 weight (nor a tied head), and
     # the memory counted holds each copied value in 2 bytes.
     model = quant.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight is None and m.packed is None and m.quant.copy is not None for m in layers)
+    assert all(isinstance(m.quant.short, short) for m in layers)
     copied = sum(m.in_features * m.out_features for m in layers) + (config.vocab_size * config.hidden_size if tied else 0)
     assert sum(m.nbytes for m in model.modules() if isinstance(m, HalfWeight)) == 2 * copied
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -202,19 +233,19 @@ def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family,
     gen = torch.Generator().manual_seed(8)
     agree = total = 0
     for _ in range(4):
-        # Decode steps of one row take the int4 path; the prompt's prefill, the float copy.
+        # Decode steps of one row take the short form; the prompt's prefill, the float copy.
         prompt = torch.randint(0, 256, (20,), generator=gen).tolist()
         out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0))
         judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
         for token, mine, ref in zip(out.token_ids, out.logprobs, judged):
-            # bf16 activations and scales: within 0.1 nats of the float32 model's own log-probability
+            # int8 or bf16 activations: within 0.1 nats of the float32 model's own log-probability
             assert mine.logprob == pytest.approx(ref.logprob, abs=0.1)
             agree += next(iter(ref.top)) == token
             total += 1
     assert agree / total >= 0.9
-    # decode steps ran int4; the 20-token prefills, past INT4_MAX_ROWS (4 or 16 by the CPU), ran the copies
-    assert 1 in rows_seen and max(rows_seen) <= INT4_MAX_ROWS < 20
-    assert 20 in copy_rows and min(copy_rows) > INT4_MAX_ROWS
+    # decode steps ran the short form; the 20-token prefills, past its row limit, ran the copies
+    assert 1 in rows_seen and max(rows_seen) <= limit < 20
+    assert 20 in copy_rows and min(copy_rows) > limit
 
 
 @needs_fbgemm
@@ -223,7 +254,7 @@ def test_a_type_no_kernel_runs_on_its_float16_copy_and_said_so(capsys):
     source = gguf_source(config, write_gguf(config, "Q5_0", seed=9))
     core = engine(source, "auto")
     assert core.runner.model.weight_report.forms["Q5_0 -> float16"] == 4 * config.num_hidden_layers + 1
-    assert "Q5_0 weights run as float16 on the CPU: no PyTorch CPU kernel for Q5_0 blocks" in capsys.readouterr().err
+    assert "Q5_0 weights run as float16 on the CPU: no CPU kernel for Q5_0 blocks" in capsys.readouterr().err
     prompt = list(range(30))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
     # float16 holds Q5_0's values within 2**-11 of themselves
@@ -235,18 +266,18 @@ def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[flo
     return out.token_ids, [p.logprob for p in out.logprobs]
 
 
-def int4_cache(source: ModelSource) -> Path:
-    (file,) = _converted_dir(Path(source.path)).glob("int4-*.safetensors")
+def forms_cache(source: ModelSource) -> Path:
+    (file,) = _converted_dir(Path(source.path)).glob("forms-*.safetensors")
     return file
 
 
 def test_the_quantized_forms_are_cached_and_run_exactly_as_freshly_packed(monkeypatch):
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     source = gguf_source(config, write_gguf(config, "Q4_1", seed=12))
-    prompt = list(range(40, 60))  # its prefill runs the float copies, its decode steps the int4 forms
+    prompt = list(range(40, 60))  # its prefill runs the float copies, its decode steps the quantized forms
     fresh = engine(source, "auto")
     want, report = greedy_run(fresh, prompt), fresh.runner.model.weight_report.forms
-    assert int4_cache(source).stat().st_size > 0
+    assert forms_cache(source).stat().st_size > 0
 
     def no_decoding(planned):
         raise AssertionError("the quantized forms were decoded again instead of read from the cache")
@@ -262,7 +293,7 @@ def test_a_damaged_cache_of_quantized_forms_is_rebuilt(monkeypatch):
     source = gguf_source(config, write_gguf(config, "Q4_0", seed=13, embedding="Q4_0"))
     prompt = list(range(10, 30))
     want = greedy_run(engine(source, "auto"), prompt)
-    file = int4_cache(source)
+    file = forms_cache(source)
     whole = file.read_bytes()
     builds = []
     forms = QuantizedWeights.forms
@@ -275,10 +306,13 @@ def test_a_damaged_cache_of_quantized_forms_is_rebuilt(monkeypatch):
 
 
 @needs_fbgemm
-def test_the_listing_says_what_a_gguf_runs_as():
+def test_the_listing_says_what_a_gguf_runs_as(monkeypatch):
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     forms = cpu_weight_forms(write_gguf(config, "Q4_1", seed=10))
-    assert "Q4_1 x15 int4 / float16" in forms and "Q8_0 x1 embedding rows / float16" in forms
+    assert "Q4_1 x15 integer dots / float16" in forms and "Q8_0 x1 integer dots / float16" in forms
+    monkeypatch.setenv("CC", "no-such-compiler")  # without a compiler: PyTorch's int4, Q8_0 on its copy
+    forms = cpu_weight_forms(write_gguf(config, "Q4_1", seed=10))
+    assert "Q4_1 x15 int4 / float16" in forms and "Q8_0 x1 float16" in forms
 
 
 def test_a_truncated_gguf_is_a_clear_error(tmp_path):
@@ -322,8 +356,8 @@ def test_without_fbgemm_the_copies_stay_float32_and_it_is_said(capsys, monkeypat
     source = gguf_source(config, write_gguf(config, "Q4_0", seed=15, embedding="Q4_0"))
     core = engine(source, "auto")
     forms = core.runner.model.weight_report.forms
-    assert forms["Q4_0 -> int4 / float32"] == 4 * config.num_hidden_layers
-    assert forms["Q4_0 -> int4 / float32 LM head"] == 1
+    assert forms["Q4_0 -> integer dots / float32"] == 4 * config.num_hidden_layers
+    assert forms["Q4_0 -> integer dots / float32 LM head"] == 1
     assert "no FBGEMM float16 product, so longer products run on float32 copies" in capsys.readouterr().err
     assert not any(isinstance(m, HalfWeight) for m in core.runner.model.modules())
     # A prefill runs the float32 copies: exactly what the dequantized model computes.
@@ -343,10 +377,12 @@ def test_a_weight_beyond_float16s_range_keeps_its_float32_values(capsys):
     source = gguf_source(config, write_gguf(config, "Q8_0", seed=16, only=tensors))
     core = engine(source, "auto")
     down = core.runner.model.model.layers[0].mlp.down_proj
-    assert down.quant is None and down.packed is not None  # its float32 values, oneDNN-packed
+    # integer dots for short products (its scales are float16 values), its float32 values, oneDNN-packed,
+    # for the rest
+    assert down.quant.copy is None and isinstance(down.quant.short, NativeWeight) and down.packed is not None
     forms = core.runner.model.weight_report.forms
-    assert forms["Q8_0 -> float32"] == 1  # the rest of a Q8_0 file runs on float16 copies
-    assert forms["Q8_0 -> float16"] == 4 * config.num_hidden_layers + 1 - 1  # + the untied head, - down
+    assert forms["Q8_0 -> integer dots / float32"] == 1  # the rest of a Q8_0 file has float16 copies
+    assert forms["Q8_0 -> integer dots / float16"] == 4 * config.num_hidden_layers + 1 - 1  # + the untied head, - down
     assert "values beyond float16's range" in capsys.readouterr().err
     prompt = list(range(20))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)

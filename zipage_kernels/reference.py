@@ -534,3 +534,32 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1, dtype=torch.float64)
     targets = (uniforms.to(torch.float64) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+# --- Products of grouped integer weights with int16 activations (the CPU's native kernel, kernels/cpu) ---
+
+ACTIVATION_CODE_MAX = 32767.0
+
+
+def quantize_groups_int16(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 rows [m, k] quantized per `group` values: (int16 codes, scale = amax / 32767, the quantized
+    group's sum = scale * its codes' sum); codes = round(x * (32767 / amax)), ties to even, 0 where a
+    group is all zeros."""
+    m, k = x.shape
+    groups = x.view(m, k // group, group)
+    amax = groups.abs().amax(dim=-1)
+    inverse = torch.where(amax > 0, ACTIVATION_CODE_MAX / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inverse[..., None]).to(torch.int16)
+    scale = amax / ACTIVATION_CODE_MAX
+    return codes.view(m, k), scale, codes.sum(dim=-1, dtype=torch.int32).float() * scale
+
+
+def grouped_int16_matmul(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, xq: torch.Tensor,
+                        xs: torch.Tensor, xsum: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x @ W.T in float64, for W = values * scale + low in groups of `group` (values [n, k] integers) and
+    x = xq * xs per group with group sums xsum: sum over groups of scale * xs * (values . xq) + low * xsum."""
+    n, k = values.shape
+    w = values.double().view(n, k // group, group)
+    x = xq.double().view(xq.shape[0], k // group, group)
+    dots = torch.einsum("ngj,mgj->mng", w, x)  # exact integer sums in float64
+    return (dots * scale.double()[None] * xs.double()[:, None]).sum(-1) + xsum.double() @ low.double().T

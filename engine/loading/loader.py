@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .gguf_tensors import (FLOAT_TYPES, FOUR_BIT_TYPES, GROUPED_TYPES, QuantizedTensor, read_gguf_tensors,
+from .gguf_tensors import (FLOAT_TYPES, FOUR_BIT_TYPES, QuantizedTensor, read_gguf_tensors,
                            stored_types)
 from .model_registry import (
     BUILTIN_MODELS,
@@ -175,25 +175,26 @@ def list_models() -> list[dict]:
 
 def cpu_weight_forms(gguf: Path | str) -> str:
     """What a GGUF's weights run as on the CPU under weight_dtype="auto" (the GPU dequantizes them):
-    e.g. "Q4_1 x210 int4 / float16, Q8_0 x1 embedding rows / float16": int4 for short products, a
-    float16 copy (float32 without FBGEMM) for the rest (engine/execution/models/quantized.py)."""
+    e.g. "Q4_1 x210 integer dots / float16, Q8_0 x1 integer dots / float16": the kernel of short products
+    (integer dots where a C compiler builds them, else int4 for 4-bit types), then the float copy (float32
+    without FBGEMM) of the rest (engine/execution/models/quantized.py). A quantized embedding is looked
+    up from its codes."""
+    from zipage.kernels.cpu import NATIVE_TYPES, c_compiler
+
     try:
         types = stored_types(gguf)
     except Exception as err:  # a corrupt file: say so rather than fail the listing
         return f"unreadable GGUF ({type(err).__name__})"
     # FBGEMM, which the float16 copies run on, ships in torch's x86-64 builds; the listing stays
-    # without torch, and a load checks the product itself (cpu_products.half_product_works).
+    # without torch, and a load checks the products themselves (cpu_products.half_product_works).
     copies = "float16" if platform.machine().lower() in ("x86_64", "amd64") else "float32"
+    native = c_compiler() is not None
     forms = []
     for qtype, count in sorted(types.items(), key=lambda kv: -kv[1]):
         if qtype in FLOAT_TYPES:  # norms and the like: as stored
             continue
-        if qtype in FOUR_BIT_TYPES:
-            forms.append(f"{qtype} x{count} int4 / {copies}")
-        elif qtype in GROUPED_TYPES:
-            forms.append(f"{qtype} x{count} embedding rows / {copies}")
-        else:
-            forms.append(f"{qtype} x{count} {copies}")
+        short = "integer dots" if native and qtype in NATIVE_TYPES else "int4" if qtype in FOUR_BIT_TYPES else None
+        forms.append(f"{qtype} x{count} {short} / {copies}" if short else f"{qtype} x{count} {copies}")
     return ", ".join(forms)
 
 

@@ -1,18 +1,18 @@
 """GGUF weights that stay quantized on the CPU (docs/design-notes.md, "Quantized CPU weights").
 
-4-bit types (Q4_0, Q4_1, Q4_K: 32 codes 0..15 per scale and offset) run on PyTorch's own int4
-CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16 scales-and-zeros (its
-fp32 path is a scalar loop, ~20x slower), for products of at most INT4_MAX_ROWS rows: a decode
-step of a few streams, which streams every weight once. Longer products (prefill chunks, larger
-batches) and every quantized type without an int4 kernel run on the weight's float16 copy
-(`cpu_products.HalfWeight`, FBGEMM), which holds the file's values within float16 rounding in half
-the bytes of float32; where this torch has no FBGEMM they run on a float32 copy. A quantized
-embedding is looked up from its codes, one decoded row per token. PyTorch's int8 kernel takes one
-scale per row, and requantizing Q8_0's per-32 scales to one per row moved the LM head's top-1 token
-on 3.4% of random states, so Q8_0 runs on the float copy too.
-`install_quantized` gives a model loaded with its float weights the quantized forms (the int4 ones
-decoded and packed once, then cached beside the GGUF's converted copy); `WeightReport` says what runs
-as what, and why.
+Q4_0, Q4_1 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits) run on the
+native products (`zipage.kernels.cpu`, "integer dots"): activations quantized to int16 per 32 values,
+summed in integer units against the codes as stored, for products of at most NATIVE_MAX_ROWS rows.
+Q4_K (whose scales are no float16 values), or every 4-bit type where no C compiler builds the native
+products, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
+and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
+INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
+a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
+values within float16 rounding in half the bytes of float32; where this torch has no FBGEMM they run
+on a float32 copy. A quantized embedding is looked up from its codes, one decoded row per token.
+`install_quantized` gives a model loaded with its float weights the quantized forms (decoded and
+packed once, then cached beside the GGUF's converted copy); `WeightReport` says what runs as what,
+and why.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from torch import nn
 
 from zipage.engine.cpu_products import HalfWeight, fits_float16, half_product_works
 from zipage.engine.loading.gguf_tensors import FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, GroupedCodes, QuantizedTensor
+from zipage.engine.loading.loader import cache_dir
+from zipage.kernels.cpu import NATIVE_TYPES
+from zipage.kernels.cpu.native import OUT_BLOCK, GroupedWeight, NativeProducts, NativeUnavailable, native_products
+from zipage.kernels.cpu.native import group_bytes, pack_weight
 
 # The int4 kernel re-decodes the weights for every few rows, so past some rows a float copy wins;
 # where, depends on torch's CPU capability. Against oneDNN's packed fp32, on a 2-core AVX2 EPYC int4 won
@@ -36,10 +40,46 @@ INT4_MAX_ROWS_BY_CAPABILITY = {"AVX512": 16}
 INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 4)
 
 
+# The native products read each weight once for a whole batch, but their integer work grows with the
+# rows; on a 2-core AVX2 EPYC, over SmolLM2's 30 layers of weights, they beat the float16 copy up to 4
+# rows (11.3 against 13.8 ms) and lost from 5 (14.5 against 13.9; docs/benchmarks.md, "Native CPU
+# products"), and so did the 49k-row head (2.2 against 2.8 ms at 4 rows, 3.2 against 3.2 at 6).
+NATIVE_MAX_ROWS = 4
+
+
 def cpu_forms_stamp() -> str:
-    """What a quantized file's numbers on the CPU depend on beyond its values: which products run int4
-    and the float copies' dtype (a cache of results computed on them keys by it)."""
-    return f"int4 up to {INT4_MAX_ROWS} rows, {'float16' if half_product_works() else 'float32'} copies"
+    """What a quantized file's numbers on the CPU depend on beyond its values: which products run on
+    which kernel and the float copies' dtype (a cache of results computed on them keys by it)."""
+    native = "integer dots" if native_kernel()[0] is not None else "no integer dots"
+    return (f"{native} up to {NATIVE_MAX_ROWS} rows, int4 up to {INT4_MAX_ROWS} rows, "
+            f"{'float16' if half_product_works() else 'float32'} copies")
+
+
+def native_kernel() -> tuple[NativeProducts | None, str | None]:
+    """The native products (built on first use into the cache), or None and why not."""
+    try:
+        return native_products(cache_dir() / "native"), None
+    except NativeUnavailable as error:
+        return None, str(error)
+
+
+class NativeWeight(nn.Module):
+    """A linear layer's weight as the native products hold it (`pack_weight`): y = x @ W.T from int8
+    activations and the file's codes. `takes(x)`: whether it should (x has at most NATIVE_MAX_ROWS rows)."""
+
+    def __init__(self, products: NativeProducts, blocks: torch.Tensor, bits: int):
+        super().__init__()
+        self.products = products
+        self.weight = GroupedWeight(blocks, bits)  # checked once; the buffer below is the same tensor
+        self.register_buffer("blocks", self.weight.blocks)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.shape[0] <= NATIVE_MAX_ROWS  # read at each call: a benchmark may change it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.products.linear(x.float().contiguous(), self.weight, torch.get_num_threads())
+        return out.to(x.dtype)
 
 
 class Int4Weight(nn.Module):
@@ -62,11 +102,11 @@ class Int4Weight(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """A weight from a quantized file: its int4 form (`short`) for the products it takes, its float16
-    copy (`copy`) for the rest. Without a copy (no FBGEMM) it takes only what int4 takes, and the
-    layer's own float32 weight runs the rest."""
+    """A weight from a quantized file: its short form (`short`: integer dots or int4) for the products it
+    takes, its float16 copy (`copy`) for the rest. Without a copy (no FBGEMM) it takes only what the
+    short form takes, and the layer's own float32 weight runs the rest."""
 
-    def __init__(self, short: Int4Weight | None, copy: HalfWeight | None):
+    def __init__(self, short: NativeWeight | Int4Weight | None, copy: HalfWeight | None):
         super().__init__()
         self.short = short
         self.copy = copy
@@ -149,35 +189,95 @@ def report_weights(report: WeightReport) -> None:
         print(f"zipage: {note}", file=sys.stderr)
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The quantized products this process has: the native ones (None, and `why_native` says why) and
+    PyTorch's int4 kernel. `short_form` says which runs a weight."""
+
+    native: NativeProducts | None
+    int4: bool
+    why_native: str | None = None
+
+    @classmethod
+    def here(cls) -> "Kernels":
+        native, why = native_kernel()
+        return cls(native, int4_kernel_works(), why)
+
+    def short_form(self, types: set[str], rows: int) -> tuple[str | None, str | None]:
+        """For a weight of `rows` output rows stored in these types: "native", "int4" or None, and when
+        None why no quantized kernel runs it."""
+        if len(types) > 1:
+            return None, "the fused parts are stored in different types"
+        (qtype,) = types
+        reasons = []
+        if qtype in NATIVE_TYPES:
+            if self.native is None:
+                reasons.append("no integer dots here")
+            elif rows % OUT_BLOCK:
+                reasons.append(f"integer dots need a multiple of {OUT_BLOCK} output rows, not {rows}")
+            else:
+                return "native", None
+        if qtype in FOUR_BIT_TYPES:
+            if not self.int4:
+                reasons.append("this torch has no working int4 CPU kernel")
+            elif rows % 16:
+                reasons.append(f"the int4 kernel needs a multiple of 16 output rows, not {rows}")
+            else:
+                return "int4", None
+        elif qtype == "Q8_0":
+            reasons.append("PyTorch's int8 kernel takes one scale per row, Q8_0 has one per 32 values")
+        return None, "; ".join(reasons) or f"no CPU kernel for {qtype} blocks"
+
+    def note(self, report: "WeightReport", types: set[str]) -> None:
+        """Say why the weights of these stored types that integer dots would run do not (no compiler, a
+        failed build)."""
+        missed = sorted(types & set(NATIVE_TYPES))
+        if self.native is None and missed:
+            report.notes.add(f"integer dots are unavailable: {self.why_native}; so {' and '.join(missed)} "
+                             "weights run on slower kernels")
+
+
+FORM_NAMES = {"native": "integer dots", "int4": "int4"}
+
+
 def install_quantized(model, source, map_name) -> WeightReport:
     """Give a model whose float weights are loaded (from its GGUF's converted copy) the quantized forms
     of the GGUF's tensors where a kernel runs them; `map_name(hf_name)` is (parameter, fused part) as the
     model loads them. Decoding and packing the forms is most of what a start-up would add to the float
     one, so they are cached beside that copy, for this CPU and torch."""
     weights = QuantizedWeights.of(source.stored_weights(), model.tied, map_name)
-    int4 = int4_kernel_works()
-    planned = weights.planned(model, int4)
-    keys = {key for target in planned for key in _form_keys(target)}
-    forms = source.cached(f"int4-{torch.backends.cpu.get_cpu_capability().lower()}",
+    kernels = Kernels.here()
+    planned = weights.planned(model, kernels)
+    keys = {key for target, (kind, _) in planned.items() for key in _form_keys(target, kind)}
+    forms = source.cached(f"forms-{torch.backends.cpu.get_cpu_capability().lower()}",
                           f"{CACHE_FORMAT}, torch {torch.__version__}", keys, lambda: weights.forms(planned))
-    return weights.install_forms(model, forms, int4)
+    return weights.install_forms(model, forms, kernels)
 
 
 EMBEDDING = "model.embed_tokens.weight"
-TIED_HEAD = "tied_lm_head"  # a tied head's int4 form, packed from the embedding's codes
-CACHE_FORMAT = "zipage int4 forms 1"  # bump when the cached forms change
+TIED_HEAD = "tied_lm_head"  # a tied head's quantized form, packed from the embedding's codes
+CACHE_FORMAT = "zipage quantized forms 2"  # bump when the cached forms change
 
 
-def _form_keys(target: str) -> list[str]:
-    """The names of a weight's quantized form: the embedding's codes, scales and offsets, else
-    Int4Weight's two tensors."""
-    fields = ("codes", "scale", "low") if target == EMBEDDING else ("packed", "scales_zeros")
+def _form_keys(target: str, kind: str | None) -> list[str]:
+    """The names of a weight's quantized form: the embedding's codes, scales and offsets, a native
+    weight's blocks, else Int4Weight's two tensors."""
+    if target == EMBEDDING:
+        fields = ("codes", "scale", "low")
+    else:
+        fields = ("blocks",) if kind == "native" else ("packed", "scales_zeros")
     return [f"{target}.{field}" for field in fields]
+
+
+def _native_blocks(groups: GroupedCodes) -> torch.Tensor:
+    """A weight's codes, scales and offsets in the native products' layout (8-bit codes have no offset)."""
+    bits = 8 if groups.codes.dtype == torch.int8 else 4
+    return pack_weight(groups.codes, groups.scale, groups.low if bits == 4 else None, bits).blocks
 
 
 class QuantizedWeights:
     """A model's quantized tensors by the parameter they fill: a fused layer (q/k/v, gate/up) runs
-    quantized only if its parts share a 4-bit type. `forms` decodes and packs what runs quantized;
+    quantized only if its parts share a type. `forms` decodes and packs what runs quantized;
     `install_forms` gives those forms to a model whose float weights are loaded."""
 
     def __init__(self):
@@ -205,84 +305,102 @@ class QuantizedWeights:
         for target, parts in self.parts.items():
             for shard, tensor in parts.items():
                 store(target, shard, tensor.dequantize())
-        int4 = int4_kernel_works()
-        return self.install_forms(model, self.forms(self.planned(model, int4)), int4)
+        kernels = Kernels.here()
+        return self.install_forms(model, self.forms(self.planned(model, kernels)), kernels)
 
-    def planned(self, model, int4: bool) -> dict[str, dict[str | None, QuantizedTensor]]:
-        """The parts of what runs quantized, by the key its forms go under: each int4 weight, the
-        embedding where its type is one of 32-value groups, and a tied head that runs int4 (TIED_HEAD)."""
+    def planned(self, model, kernels: Kernels) -> dict[str, tuple[str | None, dict[str | None, QuantizedTensor]]]:
+        """(kind, parts) of what runs quantized, by the key its forms go under: each weight a kernel
+        runs ("native" or "int4"), the embedding where its type is one of 32-value groups (kind None),
+        and a tied head that a kernel runs (TIED_HEAD)."""
         planned = {}
         for target, parts in self.parts.items():
             if target == EMBEDDING and parts[None].qtype in GROUPED_TYPES:
-                planned[EMBEDDING] = parts
-                if model.tied and _why_not_int4({parts[None].qtype}, int4, parts[None].shape[0]) is None:
-                    planned[TIED_HEAD] = parts
-            elif target != EMBEDDING and self._why_not(parts, int4) is None:
-                planned[target] = parts
+                planned[EMBEDDING] = (None, parts)
+                kind, _ = kernels.short_form({parts[None].qtype}, parts[None].shape[0])
+                if model.tied and kind is not None:
+                    planned[TIED_HEAD] = (kind, parts)
+            elif target != EMBEDDING:
+                kind, _ = self._short_form(parts, kernels)
+                if kind is not None:
+                    planned[target] = (kind, parts)
         return planned
 
     @staticmethod
     def forms(planned: dict) -> dict[str, torch.Tensor]:
-        """The planned weights decoded and packed: "<key>.packed" and "<key>.scales_zeros" of an int4
-        weight, "<key>.codes", ".scale" and ".low" of the embedding."""
+        """The planned weights decoded and packed: "<key>.blocks" of a native weight, "<key>.packed" and
+        "<key>.scales_zeros" of an int4 one, "<key>.codes", ".scale" and ".low" of the embedding."""
         forms, embedding = {}, None
-        for key, parts in planned.items():
+        for key, (kind, parts) in planned.items():
             if key in (EMBEDDING, TIED_HEAD):  # decoded once for both
                 embedding = parts[None].groups() if embedding is None else embedding
                 groups = embedding
             else:
                 groups = _concat([parts[s].groups() for s in sorted(parts, key=_shard_order)])
-            values = (groups.codes, groups.scale, groups.low) if key == EMBEDDING else pack_int4(groups)
-            forms.update(zip(_form_keys(key), values))
+            if key == EMBEDDING:
+                values = (groups.codes, groups.scale, groups.low)
+            else:
+                values = (_native_blocks(groups),) if kind == "native" else pack_int4(groups)
+            forms.update(zip(_form_keys(key, kind), values))
         return forms
 
-    def install_forms(self, model, forms: dict[str, torch.Tensor], int4: bool) -> WeightReport:
-        """Give each weight its quantized forms: the int4 one from `forms` where its type has one, and a
-        float16 copy of the float values loaded already where FBGEMM runs (the float32 values are then
-        freed). Returns what runs as what."""
+    def install_forms(self, model, forms: dict[str, torch.Tensor], kernels: Kernels) -> WeightReport:
+        """Give each weight its quantized forms: the native or int4 one from `forms` where a kernel runs
+        its type, and a float16 copy of the float values loaded already where FBGEMM runs (the float32
+        values are then freed). Returns what runs as what."""
         report = WeightReport()
         dtype = model.model.norm.weight.dtype
+        kernels.note(report, {t.qtype for parts in self.parts.values() for t in parts.values()})
         for target, parts in self.parts.items():
-            qtype = "+".join(sorted({t.qtype for t in parts.values()}))
+            types = {t.qtype for t in parts.values()}
             if target == EMBEDDING:
-                self._install_embedding(model, parts[None], forms, int4, dtype, report)
+                self._install_embedding(model, parts[None], forms, kernels, dtype, report)
                 continue
             module = model.get_submodule(target.removesuffix(".weight"))
-            why = self._why_not(parts, int4)
-            short = Int4Weight(*(forms[key] for key in _form_keys(target))) if why is None else None
-            module.quant, form = _quantized_linear(short, module.weight, dtype, report)
+            kind, why = self._short_form(parts, kernels)
+            module.quant, form = _quantized_linear(_short_module(kind, target, forms, kernels), module.weight,
+                                                   dtype, report)
             if module.quant is not None and module.quant.copy is not None:
                 module.weight = None  # the copy holds the same values
-            report.add(qtype, form, why)
+            report.add("+".join(sorted(types)), form, why)
         return report
 
     @staticmethod
-    def _why_not(parts: dict[str | None, QuantizedTensor], int4: bool) -> str | None:
-        return _why_not_int4({t.qtype for t in parts.values()}, int4, sum(t.shape[0] for t in parts.values()))
+    def _short_form(parts: dict[str | None, QuantizedTensor], kernels: Kernels) -> tuple[str | None, str | None]:
+        return kernels.short_form({t.qtype for t in parts.values()}, sum(t.shape[0] for t in parts.values()))
 
     @staticmethod
-    def _install_embedding(model, tensor: QuantizedTensor, forms: dict, int4: bool, dtype, report: WeightReport) -> None:
+    def _install_embedding(model, tensor: QuantizedTensor, forms: dict, kernels: Kernels, dtype,
+                           report: WeightReport) -> None:
         values = model.model.embed_tokens.weight.detach()
         if tensor.qtype in GROUPED_TYPES:
-            codes = GroupedCodes(*(forms[key] for key in _form_keys(EMBEDDING)))
+            codes = GroupedCodes(*(forms[key] for key in _form_keys(EMBEDDING, None)))
             model.model.embed_tokens = QuantizedEmbedding(codes, dtype)
             report.add(tensor.qtype, "embedding rows")
         else:
             report.add(tensor.qtype, "dequantized embedding", f"no decoder for {tensor.qtype} blocks")
         if not model.tied:
             return
-        why = _why_not_int4({tensor.qtype}, int4, tensor.shape[0])  # as `planned` decided
-        short = Int4Weight(*(forms[key] for key in _form_keys(TIED_HEAD))) if why is None else None
-        model.quant_head, form = _quantized_linear(short, values, dtype, report)
+        kind, why = kernels.short_form({tensor.qtype}, tensor.shape[0])  # as `planned` decided
+        model.quant_head, form = _quantized_linear(_short_module(kind, TIED_HEAD, forms, kernels), values, dtype, report)
         if model.quant_head is None or model.quant_head.copy is None:
             model.head_weight = values  # the float values, for the products the quantized forms do not take
         report.add(tensor.qtype, f"{form} LM head", why)
 
 
-def _quantized_linear(short: Int4Weight | None, values: torch.Tensor, dtype: torch.dtype,
+def _short_module(kind: str | None, key: str, forms: dict, kernels: Kernels) -> nn.Module | None:
+    """The module that runs a weight's short products from its cached forms (None: no kernel does)."""
+    if kind is None:
+        return None
+    tensors = [forms[name] for name in _form_keys(key, kind)]
+    if kind == "native":
+        return NativeWeight(kernels.native, tensors[0], 4 if tensors[0].shape[2] == group_bytes(4) else 8)
+    return Int4Weight(*tensors)
+
+
+def _quantized_linear(short: nn.Module | None, values: torch.Tensor, dtype: torch.dtype,
                       report: WeightReport) -> tuple[QuantizedLinear | None, str]:
-    """One weight's quantized forms and their name: `short` (int4) where given, and a float16 copy of
-    `values` where FBGEMM runs and they fit; without a copy the weight's float `values` run the rest."""
+    """One weight's quantized forms and their name: `short` (integer dots or int4) where given, and a float16
+    copy of `values` where FBGEMM runs and they fit; without a copy the weight's float `values` run the rest."""
     copy = None
     if not half_product_works():
         report.notes.add("this torch has no FBGEMM float16 product, so longer products run on float32 copies")
@@ -293,23 +411,8 @@ def _quantized_linear(short: Int4Weight | None, values: torch.Tensor, dtype: tor
     rest = "float16" if copy is not None else str(dtype).removeprefix("torch.")
     if short is None and copy is None:
         return None, rest
-    return QuantizedLinear(short, copy), (f"int4 / {rest}" if short is not None else rest)
-
-
-def _why_not_int4(types: set[str], int4: bool, rows: int) -> str | None:
-    """None when a weight of `rows` output rows stored in these types runs as int4, else why not."""
-    if not int4:
-        return "this torch has no working int4 CPU kernel"
-    if len(types) > 1:
-        return "the fused parts are stored in different types"
-    (qtype,) = types
-    if qtype == "Q8_0":
-        return "Q8_0 has a scale per 32 values and PyTorch's int8 kernel one per row (requantizing loses accuracy)"
-    if qtype not in FOUR_BIT_TYPES:
-        return f"no PyTorch CPU kernel for {qtype} blocks"
-    if rows % 16:
-        return f"the int4 kernel needs a multiple of 16 output rows, not {rows}"
-    return None
+    name = FORM_NAMES["native" if isinstance(short, NativeWeight) else "int4"]
+    return QuantizedLinear(short, copy), (f"{name} / {rest}" if short is not None else rest)
 
 
 def _shard_order(shard: str | None) -> int:

@@ -1,0 +1,200 @@
+"""The native CPU products (`q8_products.c`), built with the system's C compiler on first use and
+loaded through ctypes (docs/design-notes.md, "Native CPU products").
+
+The library is compiled once per source, compiler and flags into a cache folder (the engine's:
+$ZIPAGE_CACHE/native or ~/.cache/zipage/native), written under a temporary name and renamed into place, so
+concurrent start-ups and a killed build leave no half-written file. `native_products()` returns the
+loaded library, or raises `NativeUnavailable` saying why (no compiler, a failed build); callers decide
+what runs instead and say so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zipage.kernels.cpu import c_compiler
+
+SOURCE = Path(__file__).with_name("q8_products.c")
+GROUP = 32  # values per scale, in the weights and in the quantized activations
+OUT_BLOCK = 4  # a weight's output rows go four at a time: its row count must be a multiple
+
+
+class NativeUnavailable(RuntimeError):
+    """The native products cannot be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """A weight [n, k] in the kernel's blocked layout (`pack_weight`): uint8 [n / 4, k / 32, group bytes]."""
+
+    blocks: torch.Tensor
+    bits: int
+
+    def __post_init__(self):
+        if self.bits not in (4, 8) or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 3 or \
+                self.blocks.shape[2] != group_bytes(self.bits):
+            raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype} are not {self.bits}-bit groups")
+        if not self.blocks.is_contiguous() or self.blocks.device.type != "cpu":
+            raise ValueError("a native weight is a contiguous CPU tensor")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0] * OUT_BLOCK, self.blocks.shape[1] * GROUP
+
+
+def group_bytes(bits: int) -> int:
+    """Bytes of one group of a block of OUT_BLOCK rows: float16 scales, float16 offsets (4 bits only), codes."""
+    return OUT_BLOCK * 2 * (2 if bits == 4 else 1) + OUT_BLOCK * GROUP * bits // 8
+
+
+def pack_weight(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int) -> GroupedWeight:
+    """W = values * scale + low in groups of 32 (values [n, k] integers: 0..15 for 4 bits, -128..127 for 8;
+    scale and low [n, k/32], float16 values; 8-bit codes have no offset) in the kernel's layout."""
+    n, k = values.shape
+    if n % OUT_BLOCK or k % GROUP:
+        raise ValueError(f"a {n} x {k} weight is not blocks of {OUT_BLOCK} rows and groups of {GROUP}")
+    if (low is None) != (bits == 8):
+        raise ValueError("4-bit codes take an offset per group and 8-bit ones none")
+    blocks, groups = n // OUT_BLOCK, k // GROUP
+
+    def by_group(t: torch.Tensor, width: int) -> torch.Tensor:  # [n, groups * width] -> [blocks, groups, 4 * width]
+        return t.view(blocks, OUT_BLOCK, groups, width).transpose(1, 2).reshape(blocks, groups, OUT_BLOCK * width)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        exact = t.half()
+        if not torch.equal(exact.float(), t.float()):
+            raise ValueError("scales and offsets must be float16 values")
+        return by_group(exact.contiguous().view(torch.uint8), 2)
+
+    codes = by_group(pack_codes(values, bits).view(torch.uint8), GROUP * bits // 8)
+    parts = [halves(scale)] + ([halves(low)] if low is not None else []) + [codes]
+    return GroupedWeight(torch.cat(parts, dim=-1).contiguous(), bits)
+
+
+class NativeProducts:
+    """The loaded library: `linear(x, weight, threads)`, and `quantize(x)` (the activations' codes, for tests)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.zq_quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+        lib.zq_quantize_rows.restype = None
+        lib.zq_linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
+        lib.zq_linear.restype = ctypes.c_int
+        lib.zq_vector_path.restype = ctypes.c_int
+        lib.zq_group_stride.argtypes = [ctypes.c_int]
+        if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in (4, 8)):
+            raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
+        self._lib = lib
+        self.path = path
+        self.vectorized = bool(lib.zq_vector_path())
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 rows [m, k] -> (int16 codes [m, k], scales [m, k/32], quantized group sums [m, k/32])."""
+        _check_rows(x)
+        m, k = x.shape
+        codes = torch.empty(m, k, dtype=torch.int16)
+        scale, total = torch.empty(m, k // GROUP), torch.empty(m, k // GROUP)
+        self._lib.zq_quantize_rows(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), total.data_ptr())
+        return codes, scale, total
+
+    def linear(self, x: torch.Tensor, weight: GroupedWeight, threads: int) -> torch.Tensor:
+        """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside)."""
+        _check_rows(x)
+        n, k = weight.shape
+        if x.shape[1] != k:
+            raise ValueError(f"rows of {x.shape[1]} values against a weight of {k} columns")
+        out = torch.empty(x.shape[0], n)
+        if self._lib.zq_linear(weight.blocks.data_ptr(), weight.bits, n, k, x.data_ptr(), x.shape[0],
+                               out.data_ptr(), max(1, threads)):
+            raise MemoryError(f"no memory for {x.shape[0]} x {k} quantized activations")
+        return out
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"expected contiguous CPU float32 rows, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.shape[1] % GROUP:
+        raise ValueError(f"rows of {x.shape[1]} values are not whole groups of {GROUP}")
+
+
+def instruction_flags() -> list[str]:
+    """AVX2, FMA and F16C where torch itself runs its AVX2 (or AVX-512) kernels, else none: the source's
+    portable loops. Never -march=native, which some VMs advertise beyond what they run."""
+    return ["-mavx2", "-mfma", "-mf16c"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+
+
+def build(cache_dir: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Compile the source into `cache_dir` (once per source, compiler and flags); the library's path."""
+    found = c_compiler()
+    if found is None:
+        raise NativeUnavailable(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
+    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", *instruction_flags(), *(f"-D{d}" for d in defines)]
+    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), found, version, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir / f"q8_products-{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(dir=cache_dir, prefix=".building-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([found, *flags, str(SOURCE), "-o", scratch], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{found} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+@functools.cache
+def native_products(cache_dir: Path) -> NativeProducts:
+    """The library for this machine, built into `cache_dir` on first use and checked against the PyTorch
+    reference on random data (NativeUnavailable when either fails: a wrong product is never used)."""
+    try:
+        products = NativeProducts(build(cache_dir))
+    except OSError as error:
+        raise NativeUnavailable(f"the native products could not be loaded: {error}") from error
+    why = disagreement(products)
+    if why:
+        raise NativeUnavailable(why)
+    return products
+
+
+def disagreement(products: NativeProducts) -> str | None:
+    """None when both widths' products match the float64 reference on random data, else what differs."""
+    from zipage.kernels.reference import grouped_int16_matmul, quantize_groups_int16
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen)
+    for bits in (4, 8):
+        values = torch.randint(0, 16, (8, 64), generator=gen) if bits == 4 else torch.randint(-127, 128, (8, 64), generator=gen)
+        scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
+        low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
+        got = products.linear(x, pack_weight(values, scale, low, bits), threads=1)
+        want = grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale),
+                                   *quantize_groups_int16(x))
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return f"the native {bits}-bit product disagrees with the reference (max error {(got - want).abs().max():.3g})"
+    return None
+
+
+def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes [n, k] (0..15 for 4 bits, -127..127 for 8) in the kernel's layout: 4-bit codes two to
+    a byte, code j of a group in the low nibble of byte j and code j + 16 in its high one."""
+    if bits == 8:
+        return values.to(torch.int8).contiguous()
+    n, k = values.shape
+    grouped = values.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(n, k // 2).contiguous()

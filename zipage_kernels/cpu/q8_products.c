@@ -1,0 +1,233 @@
+/* Products of GGUF-quantized weights with activations quantized to int16 in groups of 32, summed in
+ * integer units (docs/design-notes.md, "Native CPU products").
+ *
+ * A weight row is groups of 32 codes with one float16 scale d and offset lo each (w = code * d + lo;
+ * 8-bit codes, Q8_0's, have no offset). Each row of x is quantized per group like the weight:
+ * x ~= xq * xs with xq in [-32767, 32767], and xsum = xs * sum(xq). Then, per output,
+ *     y = sum over groups of d * xs * (codes . xq) + lo * xsum,
+ * where codes . xq is an exact integer sum: the dequantized weight times the quantized activations.
+ *
+ * Layout: the weight's rows go in blocks of OUT_BLOCK, and a block's groups follow one another, each
+ * holding the block's OUT_BLOCK float16 scales, then (4-bit codes) their OUT_BLOCK float16 offsets,
+ * then each row's codes for the group: 16 bytes for 4 bits (byte j holds code j in its low nibble and
+ * code j + 16 in its high one, GGUF's Q4_0/Q4_1 order) or 32 signed bytes for 8. So a block of outputs
+ * is one sequential stream of bytes.
+ *
+ * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
+ * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
+ * which give the same integer sums. Threads come from the OpenMP runtime
+ * torch has already loaded (the same libgomp.so.1), so they are torch's own. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ZQ_PORTABLE)
+#include <immintrin.h>
+#define ZQ_AVX2 1
+#endif
+
+#define GROUP 32
+#define OUT_BLOCK 4 /* outputs that share each activation load */
+#define CODE_MAX 32767.0f /* the activations' largest code */
+
+/* Bytes of one group of a block: scales, offsets (4 bits only), codes. */
+static inline int64_t group_stride(int bits) {
+    return OUT_BLOCK * 2 * (bits == 4 ? 2 : 1) + OUT_BLOCK * GROUP * bits / 8;
+}
+
+int zq_group_stride(int bits) { return (int)group_stride(bits); }
+
+int zq_vector_path(void) {
+#ifdef ZQ_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows of x (m x k floats, k a multiple of 32) quantized per group: codes, scale = amax / 32767, and the
+ * sum of the group's quantized values (scale times its codes' sum), so the offset term multiplies the
+ * same activations as the codes do and the offset's large share cancels exactly. Rounding is to
+ * nearest, ties to even, as torch.round. */
+void zq_quantize_rows(const float *x, int64_t m, int64_t k, int16_t *q, float *scale, float *sum) {
+    int64_t groups = m * (k / GROUP);
+    for (int64_t i = 0; i < groups; i++) {
+        const float *v = x + i * GROUP;
+        float amax = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            float a = fabsf(v[j]);
+            amax = a > amax ? a : amax;
+        }
+        float inv = amax > 0.0f ? CODE_MAX / amax : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < GROUP; j++) {
+            q[i * GROUP + j] = (int16_t)nearbyintf(v[j] * inv);
+            total += q[i * GROUP + j];
+        }
+        scale[i] = amax / CODE_MAX;
+        sum[i] = (float)total * scale[i];
+    }
+}
+
+/* IEEE half -> float, bit by bit (what F16C's instruction gives). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#ifdef ZQ_AVX2
+static inline float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A row's 32 codes for a group as int16, in two registers: 4-bit ones unpacked from their nibbles. */
+static inline void load_codes(const uint8_t *codes, const int bits, __m256i out[2]) {
+    if (bits == 8) {
+        out[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes));
+        out[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)));
+        return;
+    }
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
+    out[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4));
+    out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+}
+
+/* codes . x in eight partial sums, as floats. */
+static inline __m256 group_products(const __m256i codes[2], const __m256i x[2]) {
+    __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(codes[0], x[0]), _mm256_madd_epi16(codes[1], x[1]));
+    return _mm256_cvtepi32_ps(sums);
+}
+#endif
+
+/* Integer sum of one row's codes for a group times activations (the portable path). */
+static inline int32_t group_sum(const uint8_t *codes, const int bits, const int16_t *x) {
+    int32_t total = 0;
+    if (bits == 4) {
+        for (int j = 0; j < GROUP / 2; j++) total += (codes[j] & 0x0F) * x[j] + (codes[j] >> 4) * x[j + GROUP / 2];
+    } else {
+        for (int j = 0; j < GROUP; j++) total += (int8_t)codes[j] * x[j];
+    }
+    return total;
+}
+
+/* Outputs of one block for activation rows r .. r + rows - 1 (rows: 1 or 2, a constant once inlined,
+ * as is bits): each group's codes are loaded once for all the rows. */
+static inline __attribute__((always_inline)) void output_block(
+        const uint8_t *block, const int bits, int64_t n, int64_t k, const int16_t *xq, const float *xs,
+        const float *xsum, int64_t first, int64_t r, const int rows, float *y) {
+    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = GROUP * bits / 8;
+    const int header = OUT_BLOCK * 2 * (bits == 4 ? 2 : 1);
+    float out[2][OUT_BLOCK];
+#ifdef ZQ_AVX2
+    __m256 acc[2][OUT_BLOCK];
+    __m128 offsets[2];
+    for (int i = 0; i < rows; i++) {
+        offsets[i] = _mm_setzero_ps();
+        for (int j = 0; j < OUT_BLOCK; j++) acc[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * stride;
+        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group));
+        float scales[2][OUT_BLOCK];
+        __m256i x[2][2];
+        for (int i = 0; i < rows; i++) {
+            const int16_t *row = xq + (r + i) * k + g * GROUP;
+            x[i][0] = _mm256_loadu_si256((const __m256i *)row);
+            x[i][1] = _mm256_loadu_si256((const __m256i *)(row + 16));
+            _mm_storeu_ps(scales[i], _mm_mul_ps(d, _mm_set1_ps(xs[(r + i) * groups + g])));
+            if (bits == 4) {
+                const __m128 lo = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)));
+                offsets[i] = _mm_fmadd_ps(lo, _mm_set1_ps(xsum[(r + i) * groups + g]), offsets[i]);
+            }
+        }
+        for (int j = 0; j < OUT_BLOCK; j++) {
+            __m256i c[2];
+            load_codes(group + header + j * row_bytes, bits, c);
+            for (int i = 0; i < rows; i++)
+                acc[i][j] = _mm256_fmadd_ps(group_products(c, x[i]), _mm256_broadcast_ss(&scales[i][j]), acc[i][j]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float low[OUT_BLOCK];
+        _mm_storeu_ps(low, offsets[i]);
+        for (int j = 0; j < OUT_BLOCK; j++) out[i][j] = horizontal_sum(acc[i][j]) + low[j];
+    }
+#else
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < OUT_BLOCK; j++) {
+            float total = 0.0f, low = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *group = block + g * stride;
+                uint16_t d, lo;
+                memcpy(&d, group + 2 * j, 2);
+                const int32_t sum = group_sum(group + header + j * row_bytes, bits, xq + (r + i) * k + g * GROUP);
+                total += (float)sum * (half_to_float(d) * xs[(r + i) * groups + g]);
+                if (bits == 4) {
+                    memcpy(&lo, group + OUT_BLOCK * 2 + 2 * j, 2);
+                    low += half_to_float(lo) * xsum[(r + i) * groups + g];
+                }
+            }
+            out[i][j] = total + low;
+        }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < OUT_BLOCK; j++) y[(r + i) * n + first + j] = out[i][j];
+}
+
+/* y[m x n] = x @ W.T for W (n x k, n a multiple of OUT_BLOCK) in `bits`-bit codes, blocked as above.
+ * Inlined once per width, so the width is a constant in each copy's inner loop. Rows go two at a time
+ * (a weight's codes then serve both from one load), an odd last one alone. */
+static inline __attribute__((always_inline)) void matmul(
+        const uint8_t *weight, const int bits, int64_t n, int64_t k, const int16_t *xq, const float *xs,
+        const float *xsum, int64_t m, float *y, int threads) {
+    const int64_t block_bytes = (k / GROUP) * group_stride(bits);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < n / OUT_BLOCK; b++) {
+        const uint8_t *block = weight + b * block_bytes;
+        int64_t r = 0;
+        for (; r + 2 <= m; r += 2) output_block(block, bits, n, k, xq, xs, xsum, b * OUT_BLOCK, r, 2, y);
+        if (r < m) output_block(block, bits, n, k, xq, xs, xsum, b * OUT_BLOCK, r, 1, y);
+    }
+}
+
+/* y[m x n] = x @ W.T: x (m x k floats) quantized into scratch memory, then the integer products.
+ * Returns 0, or -1 where the scratch memory could not be had (y is then untouched). */
+int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+              int threads) {
+    const int64_t groups = m * (k / GROUP);
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * k));
+    float *xs = malloc(sizeof(float) * (size_t)(2 * groups));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    zq_quantize_rows(x, m, k, xq, xs, xs + groups);
+    if (bits == 4)
+        matmul(weight, 4, n, k, xq, xs, xs + groups, m, y, threads);
+    else
+        matmul(weight, 8, n, k, xq, xs, xs + groups, m, y, threads);
+    free(xq);
+    free(xs);
+    return 0;
+}
