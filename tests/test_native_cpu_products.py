@@ -1,7 +1,8 @@
 """The native CPU products (zipage/kernels/cpu, docs/design-notes.md "Native CPU products"): activations
 quantized exactly as the PyTorch reference does, products against the float64 reference and the
 dequantized weight for both widths and every row pattern, in the vector build and the portable one,
-real GGUF blocks, and the refusals (bad layouts, no compiler, a failed build)."""
+real GGUF blocks, the RMSNorm and decode attention beside them, and the refusals (bad layouts, no
+compiler, a failed build)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from gguf import GGMLQuantizationType, quants
 from zipage.engine.execution.models.quantized import Kernels
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
 from zipage.kernels.cpu.native import (GroupedWeight, NativeProducts, NativeUnavailable, build, pack_weight)
-from zipage.kernels.reference import grouped_int16_matmul, quantize_groups_int16
+from zipage.kernels.reference import (add_rms_norm, grouped_int16_matmul, paged_decode_attention,
+                                     quantize_groups_int16, rms_norm)
 
 
 @pytest.fixture(scope="module", params=["vector", "portable"])
@@ -88,6 +90,66 @@ def test_real_gguf_blocks_give_the_dequantized_product(products, qtype):
     want = x.double() @ tensor.dequantize().double().T
     got = products.linear(x, weight, threads=2)
     assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("rows,size", [(1, 576), (3, 100), (2, 5)])  # sizes past and short of 8 lanes
+def test_the_rms_norm_matches_the_reference(products, rows, size):
+    gen = torch.Generator().manual_seed(rows * size)
+    x, residual = torch.randn(rows, size, generator=gen) * 3, torch.randn(rows, size, generator=gen)
+    weight = torch.rand(size, generator=gen) + 0.5
+    normed, same = products.rms_norm(x, weight, 1e-5)
+    assert same is x and torch.allclose(normed, rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+    normed, summed = products.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_summed = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, want_summed) and torch.allclose(normed, want_normed, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="a norm of"):
+        products.rms_norm(x, weight[:-1], 1e-5)
+    with pytest.raises(ValueError, match="float32 rows"):
+        products.rms_norm(x.double(), weight, 1e-5)
+
+
+def paged_context(lengths: list[int], gen: torch.Generator, block_size: int = 16, kv_heads: int = 3,
+                  head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, block_tables, context_lens): each sequence's blocks drawn at random from a
+    shared pool, tables padded with -1."""
+    need = [-(-n // block_size) for n in lengths]
+    pool = sum(need) + 4
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(pool, generator=gen).to(torch.int32)
+    tables = torch.full((len(lengths), max(need) + 1), -1, dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(need):
+        tables[row, :count] = order[start:start + count]
+        start += count
+    return k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("lengths", [[1], [200], [5, 37, 100, 16], [150] * 8])
+def test_decode_attention_matches_the_reference(products, lengths):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    k_cache, v_cache, tables, context = paged_context(lengths, gen)
+    query = torch.randn(len(lengths), 9, 64, generator=gen)  # 3 query heads per KV head
+    if len(lengths) == 4:
+        tables[2, 1] = -1  # a hole (a block not yet re-filled after a compaction): skipped
+    want = paged_decode_attention(query, k_cache, v_cache, tables, context, 0.125)
+    got = products.decode_attention(query, k_cache, v_cache, tables, context, 0.125, threads=2)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a sequence's answer is the same bits alone as in its batch
+    alone = products.decode_attention(query[-1:], k_cache, v_cache, tables[-1:], context[-1:], 0.125, threads=1)
+    assert torch.equal(alone, got[-1:])
+
+
+def test_decode_attention_refuses_what_does_not_fit(products):
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, tables, context = paged_context([40], gen)
+    query = torch.randn(1, 9, 64, generator=gen)
+    with pytest.raises(ValueError, match="block tables"):
+        products.decode_attention(query, k_cache, v_cache, tables, torch.tensor([10_000]), 0.125, threads=1)
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        products.decode_attention(torch.randn(1, 8, 64), k_cache, v_cache, tables, context, 0.125, threads=1)
+    with pytest.raises(ValueError, match="float32"):
+        products.decode_attention(query.double(), k_cache, v_cache, tables, context, 0.125, threads=1)
 
 
 def test_bad_layouts_and_inputs_are_refused(products):

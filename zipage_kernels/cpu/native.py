@@ -91,6 +91,11 @@ class NativeProducts:
         lib.zq_linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.zq_linear.restype = ctypes.c_int
         lib.zq_vector_path.restype = ctypes.c_int
+        lib.zq_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
+        lib.zq_rms_norm.restype = None
+        lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                                            ptr, ctypes.c_int]
+        lib.zq_decode_attention.restype = ctypes.c_int
         lib.zq_group_stride.argtypes = [ctypes.c_int]
         if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in (4, 8)):
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
@@ -117,6 +122,48 @@ class NativeProducts:
         if self._lib.zq_linear(weight.blocks.data_ptr(), weight.bits, n, k, x.data_ptr(), x.shape[0],
                                out.data_ptr(), max(1, threads)):
             raise MemoryError(f"no memory for {x.shape[0]} x {k} quantized activations")
+        return out
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of v times weight, v) for float32 rows x [m, n], where v = x + residual when one is
+        given, else x itself: the reference's rms_norm and add_rms_norm in one call."""
+        m, n = x.shape if x.dim() == 2 else (-1, -1)
+        for t in (x, residual):
+            if t is not None and (t.dim() != 2 or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(f"expected contiguous CPU float32 rows, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if (residual is not None and residual.shape != x.shape) or weight.shape != (n,) or \
+                weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise ValueError(f"a norm of {n} float32 weights over rows {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        summed = torch.empty_like(x) if residual is not None else x
+        self._lib.zq_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                              eps, m, n, out.data_ptr(), summed.data_ptr())
+        return out, summed
+
+
+    def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         threads: int) -> torch.Tensor:
+        """The reference's paged_decode_attention for float32 queries and a float32 cache (no 8-bit
+        scales): [batch, q_heads, head_dim]."""
+        batch, q_heads, head_dim = query.shape
+        _, block_size, kv_heads, cache_dim = k_cache.shape
+        for t in (query, k_cache, v_cache):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("native decode attention takes contiguous CPU float32 queries and caches")
+        if cache_dim != head_dim or v_cache.shape != k_cache.shape or q_heads % kv_heads:
+            raise ValueError(f"queries {tuple(query.shape)} do not fit a cache {tuple(k_cache.shape)}")
+        tables = block_tables.to(torch.int32).contiguous()
+        lengths = context_lens.to(torch.int32).contiguous()
+        if tables.shape[0] != batch or lengths.shape != (batch,) or (batch and int(lengths.max()) > tables.shape[1] * block_size):
+            raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lengths.shape)} for {batch} queries")
+        out = torch.empty_like(query)
+        if self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                         tables.shape[1], lengths.data_ptr(), batch, q_heads, kv_heads, head_dim,
+                                         block_size, scale, out.data_ptr(), max(1, threads)):
+            raise MemoryError("no memory for the attention scores")
         return out
 
 

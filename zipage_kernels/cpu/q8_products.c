@@ -231,3 +231,90 @@ int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float
     free(xs);
     return 0;
 }
+
+/* a . b over n floats, in eight lanes (which the compiler vectorizes), then those in order. */
+static inline float dot_product(const float *a, const float *b, int64_t n) {
+    float lanes[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[j + l] * b[j + l];
+    float total = 0.0f;
+    for (int l = 0; l < 8; l++) total += lanes[l];
+    for (; j < n; j++) total += a[j] * b[j];
+    return total;
+}
+
+/* RMSNorm of rows of n floats: out = v * (1 / sqrt(mean(v * v) + eps)) * weight, with v = x + residual
+ * (also written to `summed`) when a residual is given, else v = x. */
+void zq_rms_norm(const float *x, const float *residual, const float *weight, float eps, int64_t m, int64_t n,
+                 float *out, float *summed) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * n;
+        const float *v = xr;
+        if (residual) {
+            float *sr = summed + r * n;
+            const float *rr = residual + r * n;
+            for (int64_t j = 0; j < n; j++) sr[j] = xr[j] + rr[j];
+            v = sr;
+        }
+        const float inverse = 1.0f / sqrtf(dot_product(v, v, n) / (float)n + eps);
+        float *o = out + r * n;
+        for (int64_t j = 0; j < n; j++) o[j] = v[j] * inverse * weight[j];
+    }
+}
+
+/* Decode attention of float32 queries [batch, q_heads, d] against a float32 paged cache [blocks,
+ * block_size, kv_heads, d]: each sequence's entries 0 .. context_len - 1 through its row of
+ * block_tables [batch, width] (a block of -1 is a hole, skipped), softmax(q . k * scale) . v per query
+ * head, the query heads of a KV head sharing its entries. One sequence and KV head per loop turn, so
+ * a sequence's output never depends on what it is batched with. Returns 0, or -1 without memory. */
+int zq_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                        int64_t width, const int32_t *context_lens, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                        int64_t d, int64_t block_size, float scale, float *out, int threads) {
+    const int64_t group = q_heads / kv_heads;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(longest > 0 ? longest : 1));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < batch * kv_heads; item++) {
+            if (!scores) continue;
+            const int64_t b = item / kv_heads, h = item % kv_heads, length = context_lens[b];
+            const int32_t *table = block_tables + b * width;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qh = q + (b * q_heads + h * group + g) * d;
+                float *o = out + (b * q_heads + h * group + g) * d;
+                float top = -INFINITY;
+                for (int64_t t = 0; t < length; t++) {
+                    const int32_t block = table[t / block_size];
+                    if (block < 0) {
+                        scores[t] = -INFINITY;
+                        continue;
+                    }
+                    const float *k = k_cache + ((block * block_size + t % block_size) * kv_heads + h) * d;
+                    scores[t] = dot_product(qh, k, d) * scale;
+                    top = scores[t] > top ? scores[t] : top;
+                }
+                for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+                float total = 0.0f;
+                for (int64_t t = 0; t < length; t++) {
+                    if (scores[t] == -INFINITY) continue;
+                    const float p = expf(scores[t] - top);
+                    const float *v = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + h) * d;
+                    total += p;
+                    for (int64_t j = 0; j < d; j++) o[j] += p * v[j];
+                }
+                const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t j = 0; j < d; j++) o[j] *= inverse;
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

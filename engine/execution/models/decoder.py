@@ -114,17 +114,30 @@ def cpu_packing_works(dtype: torch.dtype) -> bool:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm through the kernel seam, or through the native CPU library (`native`, set for a model
+    that runs its quantized weights there: one call where torch's CPU rms_norm is several operators)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native = None  # NativeProducts (zipage.kernels.cpu.native), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and _plain_rows(x):
+            return self.native.rms_norm(x, self.weight, self.eps)[0]
         return kernels.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        """(norm(x + residual), x + residual) in one kernel on CUDA (and natively on a quantized CPU model)."""
+        if self.native is not None and _plain_rows(x) and _plain_rows(residual):
+            return self.native.rms_norm(x, self.weight, self.eps, residual)
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def _plain_rows(x: torch.Tensor) -> bool:
+    """Contiguous float32 rows on the CPU: what the native library takes."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
 
 
 class RotaryEmbedding(nn.Module):
@@ -197,6 +210,7 @@ class Attention(nn.Module):
         self.cache_scales: dict[str, torch.Tensor] = {}
         # {"hadamard_qk": True} when q and k are rotated before an int8 cache stores k (same note)
         self.qk_rotation: dict[str, bool] = {}
+        self.native = None  # NativeProducts for decode attention (CausalLM.run_natively), or None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -217,19 +231,25 @@ class Attention(nn.Module):
         if batch.num_decode:  # a mixed step: decode attention for the decoders, prefill for the chunks
             nd = batch.num_decode
             out = torch.cat([
-                kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, batch.block_tables[:nd],
-                                               batch.context_lens[:nd], self.scale, **scales,
-                                               **batch.decode_reads(self.k_cache, q.dtype)),
+                self._decode_attention(q[:nd], batch.block_tables[:nd], batch.context_lens[:nd], batch),
                 kernels.prefill_attention(q[nd:], self.k_cache, self.v_cache, batch.chunk_block_tables,
                                           batch.chunk_cu_seqlens, batch.chunk_context_lens, self.scale, **scales)])
         elif batch.is_prefill:
             out = kernels.prefill_attention(q, self.k_cache, self.v_cache, batch.block_tables,
                                             batch.cu_seqlens_q, batch.context_lens, self.scale, **scales)
         else:
-            out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
-                                                 batch.context_lens, self.scale, **scales,
-                                                 **batch.decode_reads(self.k_cache, q.dtype))
+            out = self._decode_attention(q, batch.block_tables, batch.context_lens, batch)
         return out.reshape(tokens, self.q_size)
+
+    def _decode_attention(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          batch: ForwardBatch) -> torch.Tensor:
+        """One query per sequence against its paged context: natively for a float32 cache of a model
+        that runs on the native CPU library, else through the kernel seam."""
+        if self.native is not None and not self.cache_scales and q.dtype == self.k_cache.dtype == torch.float32:
+            return self.native.decode_attention(q.contiguous(), self.k_cache, self.v_cache, block_tables,
+                                                context_lens, self.scale, torch.get_num_threads())
+        return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, block_tables, context_lens, self.scale,
+                                              **self.cache_scales, **batch.decode_reads(self.k_cache, q.dtype))
 
 
 class MLP(nn.Module):
@@ -360,6 +380,13 @@ class CausalLM(nn.Module):
             self._packed_head = pack_weight(self._tied_head_weight().detach())
             self.head_weight = None  # the packed copy holds the same values
         return True
+
+    def run_natively(self, products) -> None:
+        """Run every RMSNorm and the decode attention of a float32 cache on the native CPU library
+        (docs/design-notes.md, "Native CPU products")."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.native = products
 
     def _tied_head_weight(self) -> torch.Tensor | None:
         """A tied head's float values: its own copy, else the embedding's (None when the embedding is

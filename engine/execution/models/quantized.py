@@ -362,6 +362,8 @@ class QuantizedWeights:
             if module.quant is not None and module.quant.copy is not None:
                 module.weight = None  # the copy holds the same values
             report.add("+".join(sorted(types)), form, why)
+        if any(isinstance(m, NativeWeight) for m in model.modules()):
+            model.run_natively(kernels.native)  # its norms and decode attention too: the library is loaded
         return report
 
     @staticmethod
