@@ -36,17 +36,17 @@ def timed(fn, repeats: int = 50) -> float:
 
 def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: str = "auto",
                      threads: int | None = None) -> None:
-    from zipage import kernels
     from zipage.engine import LLM
     from zipage.engine.config import SamplingParams
+    from zipage.engine.execution.models.decoder import Attention
     from zipage.cli.bench import random_prompts
 
     llm = LLM(model, device="cpu", num_kv_blocks=64, weight_dtype=weight_dtype, cpu_threads=threads)
     print(f"torch {torch.__version__}, {llm.engine.device_label} ({llm.engine.cpu_threads.why})")
     attention, forward = [], []
-    decode_attention, launch = kernels.paged_decode_attention, llm.engine.runner.launch
+    decode_attention, launch = Attention._decode_attention, llm.engine.runner.launch
 
-    def timed_attention(*args, **kwargs):
+    def timed_attention(*args, **kwargs):  # either path: the native library's or the kernel seam's
         start = time.perf_counter()
         out = decode_attention(*args, **kwargs)
         attention.append(time.perf_counter() - start)
@@ -59,7 +59,7 @@ def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: 
             forward.append(time.perf_counter() - start)
         return out
 
-    kernels.paged_decode_attention, llm.engine.runner.launch = timed_attention, timed_launch
+    Attention._decode_attention, llm.engine.runner.launch = timed_attention, timed_launch
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(random_prompts(llm.engine.vocab_size, 1, input_len, seed=1), params)  # warm-up
     attention.clear(), forward.clear()
@@ -74,6 +74,7 @@ def engine_breakdown(model: str, input_len: int, output_len: int, weight_dtype: 
         engine.step()
         steps.append(time.perf_counter() - start)
     layers = len(attention) // max(1, len(forward))
+    Attention._decode_attention = decode_attention
     llm.close()
     step, fwd = statistics.median(steps), statistics.median(forward)
     attn = statistics.median(attention) * layers

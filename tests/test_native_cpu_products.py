@@ -1,7 +1,7 @@
 """The native CPU products (zipage/kernels/cpu, docs/design-notes.md "Native CPU products"): activations
 quantized exactly as the PyTorch reference does, products against the float64 reference and the
 dequantized weight for both widths and every row pattern, in the vector build and the portable one,
-real GGUF blocks, the RMSNorm and decode attention beside them, and the refusals (bad layouts, no
+real GGUF blocks, the RMSNorm, SiLU-and-multiply, RoPE-and-store and decode attention beside them, and the refusals (bad layouts, no
 compiler, a failed build)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from zipage.engine.execution.models.quantized import Kernels
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
 from zipage.kernels.cpu.native import (GroupedWeight, NativeProducts, NativeUnavailable, build, pack_weight)
 from zipage.kernels.reference import (add_rms_norm, grouped_int16_matmul, paged_decode_attention,
-                                     quantize_groups_int16, rms_norm)
+                                     qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
 
 
 @pytest.fixture(scope="module", params=["vector", "portable"])
@@ -108,6 +108,15 @@ def test_the_rms_norm_matches_the_reference(products, rows, size):
         products.rms_norm(x.double(), weight, 1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_and_mul_matches_the_reference(products, rows):
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    x[0, :3] = torch.tensor([-100.0, 0.0, 100.0])  # saturated gates: silu's tails
+    assert torch.allclose(products.silu_and_mul(x), silu_and_mul(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="gate then up"):
+        products.silu_and_mul(x[:, :-1].contiguous())
+
+
 def paged_context(lengths: list[int], gen: torch.Generator, block_size: int = 16, kv_heads: int = 3,
                   head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache, block_tables, context_lens): each sequence's blocks drawn at random from a
@@ -140,6 +149,37 @@ def test_decode_attention_matches_the_reference(products, lengths):
     assert torch.equal(alone, got[-1:])
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("with_queries", [False, True])
+def test_rope_and_store_match_the_reference(products, tokens, with_queries):
+    gen = torch.Generator().manual_seed(tokens)
+    q_heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6
+    table = torch.stack((torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)), dim=1)
+    cos, sin = table[:, 0], table[:, 1]  # rows of one table, as the model's RotaryEmbedding gives them
+    slots = torch.randperm(4 * block_size, generator=gen)[:tokens]
+    slots[0] = -1  # skipped: not stored
+    query_slots = torch.full((tokens,), -1)
+    query_slots[-1] = 2
+    caches = [torch.zeros(4, block_size, kv_heads, head_dim) for _ in range(4)]
+    queries = [torch.zeros(3, q_heads, head_dim) for _ in range(2)]
+    keep = (lambda t: t) if with_queries else (lambda t: None)
+    want = qk_norm_rope_store(qkv, cos, sin, None, None, 0.0, caches[0], caches[1], slots, keep(queries[0]),
+                              keep(query_slots))
+    got = products.rope_store(qkv, cos, sin, caches[2], caches[3], slots, keep(queries[1]), keep(query_slots))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(caches[2], caches[0], rtol=1e-5, atol=1e-6) and torch.equal(caches[3], caches[1])
+    assert torch.allclose(queries[1], queries[0], rtol=1e-5, atol=1e-6)
+    assert bool(caches[2].any()) == (tokens > 1) and bool(queries[1].any()) == with_queries
+    bad = slots.clone()
+    bad[-1] = 4 * block_size  # past the cache: refused before anything is written
+    before = caches[2].clone()
+    with pytest.raises(ValueError, match="a slot outside the cache"):
+        products.rope_store(qkv, cos, sin, caches[2], caches[3], bad, None, None)
+    assert torch.equal(caches[2], before)
+
+
 def test_decode_attention_refuses_what_does_not_fit(products):
     gen = torch.Generator().manual_seed(9)
     k_cache, v_cache, tables, context = paged_context([40], gen)
@@ -148,6 +188,10 @@ def test_decode_attention_refuses_what_does_not_fit(products):
         products.decode_attention(query, k_cache, v_cache, tables, torch.tensor([10_000]), 0.125, threads=1)
     with pytest.raises(ValueError, match="do not fit a cache"):
         products.decode_attention(torch.randn(1, 8, 64), k_cache, v_cache, tables, context, 0.125, threads=1)
+    past = tables.clone()
+    past[0, 0] = k_cache.shape[0]  # a block the cache does not have
+    with pytest.raises(ValueError, match="block tables"):
+        products.decode_attention(query, k_cache, v_cache, past, context, 0.125, threads=1)
     with pytest.raises(ValueError, match="float32"):
         products.decode_attention(query.double(), k_cache, v_cache, tables, context, 0.125, threads=1)
 

@@ -93,9 +93,13 @@ class NativeProducts:
         lib.zq_vector_path.restype = ctypes.c_int
         lib.zq_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
         lib.zq_rms_norm.restype = None
-        lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                                            ptr, ctypes.c_int]
+        lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                            ctypes.c_float, ptr, ctypes.c_int]
         lib.zq_decode_attention.restype = ctypes.c_int
+        lib.zq_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
+        lib.zq_silu_and_mul.restype = None
+        lib.zq_rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr]
+        lib.zq_rope_store.restype = ctypes.c_int
         lib.zq_group_stride.argtypes = [ctypes.c_int]
         if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in (4, 8)):
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
@@ -143,6 +147,48 @@ class NativeProducts:
         return out, summed
 
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for float32 rows [m, 2n] holding gate then up: [m, n]."""
+        if x.dim() != 2 or x.shape[1] % 2 or x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"expected contiguous CPU float32 rows of gate then up, got {tuple(x.shape)} {x.dtype}")
+        out = torch.empty(x.shape[0], x.shape[1] // 2)
+        self._lib.zq_silu_and_mul(x.data_ptr(), x.shape[0], x.shape[1] // 2, out.data_ptr())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_cache: torch.Tensor | None,
+                   query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
+        """The reference's qk_norm_rope_store for float32 rows and caches without q/k norms, 8-bit
+        scales or a Hadamard rotation: q [tokens, q_heads, head_dim] (a new tensor). cos and sin may be
+        rows of one table (each row contiguous, both the same distance apart)."""
+        tokens, width = qkv.shape
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        q_heads = width // head_dim - 2 * kv_heads
+        plain = [qkv, k_cache, v_cache] + ([query_cache] if query_cache is not None else [])
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in plain) or \
+                any(t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride() != cos.stride() or t.device.type != "cpu"
+                    for t in (cos, sin)):
+            raise ValueError("native RoPE and store take contiguous CPU float32 rows, tables and caches")
+        if q_heads <= 0 or width != (q_heads + 2 * kv_heads) * head_dim or head_dim % 2 or v_cache.shape != k_cache.shape \
+                or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
+            raise ValueError(f"qkv rows {tuple(qkv.shape)} do not fit a cache {tuple(k_cache.shape)} and tables {tuple(cos.shape)}")
+        slots = slot_mapping.to(torch.int64).contiguous()
+        query_slots = None
+        if query_cache is not None and query_slot_mapping is not None:
+            query_slots = query_slot_mapping.to(torch.int64).contiguous()
+            if query_cache.shape[1:] != (q_heads, head_dim) or query_slots.shape != (tokens,):
+                raise ValueError(f"query rows {tuple(query_slots.shape)} do not fit a query cache {tuple(query_cache.shape)}")
+        if slots.shape != (tokens,):
+            raise ValueError(f"{tuple(slots.shape)} slots for {tokens} rows")
+        q = torch.empty(tokens, q_heads, head_dim)
+        if self._lib.zq_rope_store(qkv.data_ptr(), tokens, q_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                                   cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * block_size,
+                                   None if query_slots is None else query_cache.data_ptr(),
+                                   None if query_slots is None else query_slots.data_ptr(),
+                                   0 if query_slots is None else query_cache.shape[0], q.data_ptr()):
+            raise ValueError(f"a slot outside the cache ({k_cache.shape[0] * block_size} rows) or the query cache")
+        return q
+
     def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          threads: int) -> torch.Tensor:
@@ -157,12 +203,16 @@ class NativeProducts:
             raise ValueError(f"queries {tuple(query.shape)} do not fit a cache {tuple(k_cache.shape)}")
         tables = block_tables.to(torch.int32).contiguous()
         lengths = context_lens.to(torch.int32).contiguous()
-        if tables.shape[0] != batch or lengths.shape != (batch,) or (batch and int(lengths.max()) > tables.shape[1] * block_size):
+        if tables.dim() != 2 or tables.shape[0] != batch or lengths.shape != (batch,):
             raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lengths.shape)} for {batch} queries")
         out = torch.empty_like(query)
-        if self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                         tables.shape[1], lengths.data_ptr(), batch, q_heads, kv_heads, head_dim,
-                                         block_size, scale, out.data_ptr(), max(1, threads)):
+        failed = self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+                                               tables.data_ptr(), tables.shape[1], lengths.data_ptr(), batch, q_heads,
+                                               kv_heads, head_dim, block_size, scale, out.data_ptr(), max(1, threads))
+        if failed == -2:
+            raise ValueError(f"block tables {tuple(tables.shape)} do not hold contexts of {lengths.tolist()} "
+                             f"in a cache of {k_cache.shape[0]} blocks")
+        if failed:
             raise MemoryError("no memory for the attention scores")
         return out
 

@@ -267,13 +267,20 @@ void zq_rms_norm(const float *x, const float *residual, const float *weight, flo
  * block_size, kv_heads, d]: each sequence's entries 0 .. context_len - 1 through its row of
  * block_tables [batch, width] (a block of -1 is a hole, skipped), softmax(q . k * scale) . v per query
  * head, the query heads of a KV head sharing its entries. One sequence and KV head per loop turn, so
- * a sequence's output never depends on what it is batched with. Returns 0, or -1 without memory. */
-int zq_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                        int64_t width, const int32_t *context_lens, int64_t batch, int64_t q_heads, int64_t kv_heads,
-                        int64_t d, int64_t block_size, float scale, float *out, int threads) {
+ * a sequence's output never depends on what it is batched with. Returns 0, -1 without memory, -2 (having
+ * read nothing) when a context is longer than its table or names a block past the cache's `blocks`. */
+int zq_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t blocks,
+                        const int32_t *block_tables, int64_t width, const int32_t *context_lens, int64_t batch,
+                        int64_t q_heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, float *out,
+                        int threads) {
     const int64_t group = q_heads / kv_heads;
     int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    for (int64_t b = 0; b < batch; b++) {
+        if (context_lens[b] < 0 || context_lens[b] > width * block_size) return -2;
+        for (int64_t i = 0; i < (context_lens[b] + block_size - 1) / block_size; i++)
+            if (block_tables[b * width + i] >= blocks) return -2;
+        longest = context_lens[b] > longest ? context_lens[b] : longest;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
     {
@@ -317,4 +324,47 @@ int zq_decode_attention(const float *q, const float *k_cache, const float *v_cac
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* silu(gate) * up for rows [m, 2n] holding gate then up: out [m, n]. */
+void zq_silu_and_mul(const float *x, int64_t m, int64_t n, float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *gate = x + r * 2 * n, *up = gate + n;
+        float *o = out + r * n;
+        for (int64_t j = 0; j < n; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+}
+
+/* One layer's step from its QKV rows [tokens, (q_heads + 2 * kv_heads) * d] to attention: q and k heads
+ * rotated (rotate-half RoPE with each token's cos, sin rows [tokens, d], `table_stride` floats apart);
+ * q written to q_out [tokens,
+ * q_heads, d] and, where query_slots is given and not -1, to that row of query_cache [query_rows,
+ * q_heads, d]; rotated k and v written to their slot of the caches [cache_rows, kv_heads, d] (-1 skips).
+ * Returns -1, writing nothing, when a slot or query row is out of range; else 0. */
+int zq_rope_store(const float *qkv, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                  const float *cos, const float *sin, int64_t table_stride, float *k_cache, float *v_cache,
+                  const int64_t *slots,
+                  int64_t cache_rows, float *query_cache, const int64_t *query_slots, int64_t query_rows,
+                  float *q_out) {
+    const int64_t width = (q_heads + 2 * kv_heads) * d, half = d / 2;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < -1 || slots[t] >= cache_rows || (query_slots && (query_slots[t] < -1 || query_slots[t] >= query_rows)))
+            return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = qkv + t * width, *c = cos + t * table_stride, *s = sin + t * table_stride;
+        const int64_t slot = slots[t];
+        for (int64_t h = 0; h < q_heads + kv_heads; h++) {
+            const float *x = row + h * d;
+            float *o = h < q_heads ? q_out + (t * q_heads + h) * d
+                                   : (slot >= 0 ? k_cache + (slot * kv_heads + h - q_heads) * d : NULL);
+            if (!o) continue;
+            for (int64_t j = 0; j < half; j++) o[j] = x[j] * c[j] - x[j + half] * s[j];
+            for (int64_t j = half; j < d; j++) o[j] = x[j] * c[j] + x[j - half] * s[j];
+        }
+        if (slot >= 0)
+            memcpy(v_cache + slot * kv_heads * d, row + (q_heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
+        if (query_slots && query_slots[t] >= 0)
+            memcpy(query_cache + query_slots[t] * q_heads * d, q_out + t * q_heads * d, sizeof(float) * (size_t)(q_heads * d));
+    }
+    return 0;
 }

@@ -210,7 +210,7 @@ class Attention(nn.Module):
         self.cache_scales: dict[str, torch.Tensor] = {}
         # {"hadamard_qk": True} when q and k are rotated before an int8 cache stores k (same note)
         self.qk_rotation: dict[str, bool] = {}
-        self.native = None  # NativeProducts for decode attention (CausalLM.run_natively), or None
+        self.native = None  # NativeProducts for RoPE, stores and decode attention (CausalLM.run_natively), or None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -222,12 +222,17 @@ class Attention(nn.Module):
         tokens = qkv.shape[0]
         store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
         scales = self.cache_scales
-        q = kernels.qk_norm_rope_store(
-            qkv, *cos_sin,
-            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-            self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
-            batch.query_cache[self.layer_index] if store_queries else None,
-            batch.query_slot_mapping if store_queries else None, **scales, **self.qk_rotation)
+        query_cache = batch.query_cache[self.layer_index] if store_queries else None
+        query_slots = batch.query_slot_mapping if store_queries else None
+        if self._natively(qkv) and not self.qk_norm and not self.qk_rotation:
+            q = self.native.rope_store(qkv, *cos_sin, self.k_cache, self.v_cache, batch.slot_mapping, query_cache,
+                                       query_slots)
+        else:
+            q = kernels.qk_norm_rope_store(
+                qkv, *cos_sin,
+                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 0.0, self.k_cache, self.v_cache, batch.slot_mapping,
+                query_cache, query_slots, **scales, **self.qk_rotation)
         if batch.num_decode:  # a mixed step: decode attention for the decoders, prefill for the chunks
             nd = batch.num_decode
             out = torch.cat([
@@ -241,11 +246,16 @@ class Attention(nn.Module):
             out = self._decode_attention(q, batch.block_tables, batch.context_lens, batch)
         return out.reshape(tokens, self.q_size)
 
+    def _natively(self, x: torch.Tensor) -> bool:
+        """Whether this layer's attention runs on the native CPU library: a model run there, and float32
+        activations and cache (an 8-bit cache's scales are not its to read)."""
+        return self.native is not None and not self.cache_scales and x.dtype == self.k_cache.dtype == torch.float32
+
     def _decode_attention(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
         """One query per sequence against its paged context: natively for a float32 cache of a model
         that runs on the native CPU library, else through the kernel seam."""
-        if self.native is not None and not self.cache_scales and q.dtype == self.k_cache.dtype == torch.float32:
+        if self._natively(q):
             return self.native.decode_attention(q.contiguous(), self.k_cache, self.v_cache, block_tables,
                                                 context_lens, self.scale, torch.get_num_threads())
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, block_tables, context_lens, self.scale,
@@ -259,9 +269,15 @@ class MLP(nn.Module):
         self.intermediate = tp.share(cfg.intermediate_size, "intermediate size")
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.native = None  # NativeProducts for SiLU-and-multiply (CausalLM.run_natively), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None and _plain_rows(gate_up):
+            hidden = self.native.silu_and_mul(gate_up)
+        else:
+            hidden = kernels.silu_and_mul(gate_up)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
@@ -382,10 +398,10 @@ class CausalLM(nn.Module):
         return True
 
     def run_natively(self, products) -> None:
-        """Run every RMSNorm and the decode attention of a float32 cache on the native CPU library
-        (docs/design-notes.md, "Native CPU products")."""
+        """Run every RMSNorm, SiLU-and-multiply, and RoPE, cache stores and decode attention over a float32
+        cache on the native CPU library (docs/design-notes.md, "Native CPU products")."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = products
 
     def _tied_head_weight(self) -> torch.Tensor | None:
