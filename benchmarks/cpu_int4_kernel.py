@@ -24,8 +24,8 @@ import time
 import torch
 
 from zipage.engine.cpu_products import HalfWeight, half_product_works
-from zipage.engine.loading.loader import cache_dir
-from zipage.kernels.cpu.native import NativeUnavailable, native_products, pack_weight
+from zipage.engine.loading.loader import c_compiler, cache_dir
+from zipage.kernels.cpu.native import NativeUnavailable, native_library, pack_weight
 
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate/up, down
 
@@ -68,10 +68,10 @@ def main() -> None:
     shapes = SMOLLM2_LAYER * args.layers if args.layers else [(args.out, args.inp)]
     forms = [weights(out, inp, gen, args.bits) for out, inp in shapes]
     try:
-        native = native_products(cache_dir() / "native")
+        native = native_library(cache_dir() / "native", c_compiler())
     except NativeUnavailable as error:
         native = None
-        print(f"no native products: {error}")
+        print(f"no native kernels: {error}")
     what = f"{args.layers} layers of SmolLM2's products" if args.layers else f"weight {args.out} x {args.inp}"
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), {what}")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -102,7 +102,7 @@ def _native_build(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _cache_of_their_own(tmp_path, monkeypatch, _native_build):
     """The quantized forms are cached beside a GGUF's converted copy: these files' go to a temp cache,
-    whose native products are built once for all the tests."""
+    whose native kernels are built once for all the tests."""
     cache = tmp_path / "zipage-cache"
     cache.mkdir()
     (cache / "native").symlink_to(_native_build, target_is_directory=True)

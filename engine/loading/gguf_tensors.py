@@ -26,6 +26,9 @@ GROUP = 32  # values per scale in every type `groups()` decodes
 FLOAT_TYPES = ("F32", "F16", "BF16")
 GROUPED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15
+# The types whose groups the CPU's integer dots take as stored: 32 codes with a float16 scale (and a
+# float16 offset for 4 bits). Q4_K's scales are products of two numbers, not float16 values.
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass(frozen=True)

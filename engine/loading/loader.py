@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .gguf_tensors import (FLOAT_TYPES, FOUR_BIT_TYPES, QuantizedTensor, read_gguf_tensors,
+from .gguf_tensors import (FLOAT_TYPES, FOUR_BIT_TYPES, NATIVE_TYPES, QuantizedTensor, read_gguf_tensors,
                            stored_types)
 from .model_registry import (
     BUILTIN_MODELS,
@@ -179,8 +179,6 @@ def cpu_weight_forms(gguf: Path | str) -> str:
     (integer dots where a C compiler builds them, else int4 for 4-bit types), then the float copy (float32
     without FBGEMM) of the rest (engine/execution/models/quantized.py). A quantized embedding is looked
     up from its codes."""
-    from zipage.kernels.cpu import NATIVE_TYPES, c_compiler
-
     try:
         types = stored_types(gguf)
     except Exception as err:  # a corrupt file: say so rather than fail the listing
@@ -188,7 +186,7 @@ def cpu_weight_forms(gguf: Path | str) -> str:
     # FBGEMM, which the float16 copies run on, ships in torch's x86-64 builds; the listing stays
     # without torch, and a load checks the products themselves (cpu_products.half_product_works).
     copies = "float16" if platform.machine().lower() in ("x86_64", "amd64") else "float32"
-    native = c_compiler() is not None
+    native = shutil.which(c_compiler()) is not None
     forms = []
     for qtype, count in sorted(types.items(), key=lambda kv: -kv[1]):
         if qtype in FLOAT_TYPES:  # norms and the like: as stored
@@ -201,6 +199,12 @@ def cpu_weight_forms(gguf: Path | str) -> str:
 def default_model_path() -> str:
     """Path of the built-in default GGUF, downloaded into the cache on first use."""
     return str(_builtin_path(DEFAULT_MODEL))
+
+
+def c_compiler() -> str:
+    """The C compiler the native CPU kernels are built with: $CC, else cc (docs/design-notes.md,
+    "Native CPU kernels")."""
+    return os.environ.get("CC") or "cc"
 
 
 def cache_dir() -> Path:

@@ -1,9 +1,10 @@
-"""The native CPU products (`q8_products.c`), built with the system's C compiler on first use and
-loaded through ctypes (docs/design-notes.md, "Native CPU products").
+"""The native CPU kernels (`kernels.c`: integer-dot products of quantized weights, and the RMSNorm,
+SiLU-and-multiply, RoPE-and-store and decode attention of a quantized model's step), built with the
+system's C compiler on first use and loaded through ctypes (docs/design-notes.md, "Native CPU kernels").
 
 The library is compiled once per source, compiler and flags into a cache folder (the engine's:
 $ZIPAGE_CACHE/native or ~/.cache/zipage/native), written under a temporary name and renamed into place, so
-concurrent start-ups and a killed build leave no half-written file. `native_products()` returns the
+concurrent start-ups and a killed build leave no half-written file. `native_library()` returns the
 loaded library, or raises `NativeUnavailable` saying why (no compiler, a failed build); callers decide
 what runs instead and say so.
 """
@@ -14,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -21,15 +23,13 @@ from pathlib import Path
 
 import torch
 
-from zipage.kernels.cpu import c_compiler
-
-SOURCE = Path(__file__).with_name("q8_products.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 GROUP = 32  # values per scale, in the weights and in the quantized activations
 OUT_BLOCK = 4  # a weight's output rows go four at a time: its row count must be a multiple
 
 
 class NativeUnavailable(RuntimeError):
-    """The native products cannot be built or loaded here; the message says why."""
+    """The native kernels cannot be built or loaded here; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,9 @@ def pack_weight(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | N
     return GroupedWeight(torch.cat(parts, dim=-1).contiguous(), bits)
 
 
-class NativeProducts:
-    """The loaded library: `linear(x, weight, threads)`, and `quantize(x)` (the activations' codes, for tests)."""
+class NativeLibrary:
+    """The loaded library: `linear(x, weight, threads)` (and `quantize(x)`, the activations' codes, for
+    tests), `rms_norm`, `silu_and_mul`, `rope_store` and `decode_attention`."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -230,15 +231,16 @@ def instruction_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
 
 
-def build(cache_dir: Path, defines: tuple[str, ...] = ()) -> Path:
-    """Compile the source into `cache_dir` (once per source, compiler and flags); the library's path."""
-    found = c_compiler()
+def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) -> Path:
+    """Compile the source with `compiler` (a name on PATH, or a path) into `cache_dir`, once per source,
+    compiler and flags; the library's path."""
+    found = shutil.which(compiler)
     if found is None:
-        raise NativeUnavailable(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
+        raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
     flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", *instruction_flags(), *(f"-D{d}" for d in defines)]
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), found, version, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir / f"q8_products-{key}.so"
+    target = cache_dir / f"kernels-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -256,20 +258,20 @@ def build(cache_dir: Path, defines: tuple[str, ...] = ()) -> Path:
 
 
 @functools.cache
-def native_products(cache_dir: Path) -> NativeProducts:
-    """The library for this machine, built into `cache_dir` on first use and checked against the PyTorch
-    reference on random data (NativeUnavailable when either fails: a wrong product is never used)."""
+def native_library(cache_dir: Path, compiler: str = "cc") -> NativeLibrary:
+    """The library for this machine, built by `compiler` into `cache_dir` on first use and checked against
+    the PyTorch reference on random data (NativeUnavailable when either fails: a wrong product is never used)."""
     try:
-        products = NativeProducts(build(cache_dir))
+        products = NativeLibrary(build(cache_dir, compiler))
     except OSError as error:
-        raise NativeUnavailable(f"the native products could not be loaded: {error}") from error
+        raise NativeUnavailable(f"the native kernels could not be loaded: {error}") from error
     why = disagreement(products)
     if why:
         raise NativeUnavailable(why)
     return products
 
 
-def disagreement(products: NativeProducts) -> str | None:
+def disagreement(products: NativeLibrary) -> str | None:
     """None when both widths' products match the float64 reference on random data, else what differs."""
     from zipage.kernels.reference import grouped_int16_matmul, quantize_groups_int16
 

@@ -121,7 +121,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.native = None  # NativeProducts (zipage.kernels.cpu.native), or None
+        self.native = None  # NativeLibrary (zipage.kernels.cpu.native), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and _plain_rows(x):
@@ -210,7 +210,7 @@ class Attention(nn.Module):
         self.cache_scales: dict[str, torch.Tensor] = {}
         # {"hadamard_qk": True} when q and k are rotated before an int8 cache stores k (same note)
         self.qk_rotation: dict[str, bool] = {}
-        self.native = None  # NativeProducts for RoPE, stores and decode attention (CausalLM.run_natively), or None
+        self.native = None  # NativeLibrary for RoPE, stores and decode attention (CausalLM.run_natively), or None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -269,7 +269,7 @@ class MLP(nn.Module):
         self.intermediate = tp.share(cfg.intermediate_size, "intermediate size")
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
-        self.native = None  # NativeProducts for SiLU-and-multiply (CausalLM.run_natively), or None
+        self.native = None  # NativeLibrary for SiLU-and-multiply (CausalLM.run_natively), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -399,7 +399,7 @@ class CausalLM(nn.Module):
 
     def run_natively(self, products) -> None:
         """Run every RMSNorm, SiLU-and-multiply, and RoPE, cache stores and decode attention over a float32
-        cache on the native CPU library (docs/design-notes.md, "Native CPU products")."""
+        cache on the native CPU library (docs/design-notes.md, "Native CPU kernels")."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = products

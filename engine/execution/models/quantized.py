@@ -1,7 +1,7 @@
 """GGUF weights that stay quantized on the CPU (docs/design-notes.md, "Quantized CPU weights").
 
 Q4_0, Q4_1 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits) run on the
-native products (`zipage.kernels.cpu`, "integer dots"): activations quantized to int16 per 32 values,
+native kernels (`zipage.kernels.cpu`, "integer dots"): activations quantized to int16 per 32 values,
 summed in integer units against the codes as stored, for products of at most NATIVE_MAX_ROWS rows.
 Q4_K (whose scales are no float16 values), or every 4-bit type where no C compiler builds the native
 products, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from zipage.engine.cpu_products import HalfWeight, fits_float16, half_product_works
-from zipage.engine.loading.gguf_tensors import FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, GroupedCodes, QuantizedTensor
-from zipage.engine.loading.loader import cache_dir
-from zipage.kernels.cpu import NATIVE_TYPES
-from zipage.kernels.cpu.native import OUT_BLOCK, GroupedWeight, NativeProducts, NativeUnavailable, native_products
+from zipage.engine.loading.gguf_tensors import (FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, NATIVE_TYPES, GroupedCodes,
+                                                QuantizedTensor)
+from zipage.engine.loading.loader import c_compiler, cache_dir
+from zipage.kernels.cpu.native import OUT_BLOCK, GroupedWeight, NativeLibrary, NativeUnavailable, native_library
 from zipage.kernels.cpu.native import group_bytes, pack_weight
 
 # The int4 kernel re-decodes the weights for every few rows, so past some rows a float copy wins;
@@ -40,7 +40,7 @@ INT4_MAX_ROWS_BY_CAPABILITY = {"AVX512": 16}
 INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 4)
 
 
-# The native products read each weight once for a whole batch, but their integer work grows with the
+# Integer dots read each weight once for a whole batch, but their integer work grows with the
 # rows; on a 2-core AVX2 EPYC, over SmolLM2's 30 layers of weights, they beat the float16 copy up to 4
 # rows (11.3 against 13.8 ms) and lost from 5 (14.5 against 13.9; docs/benchmarks.md, "Native CPU
 # products"), and so did the 49k-row head (2.2 against 2.8 ms at 4 rows, 3.2 against 3.2 at 6).
@@ -55,19 +55,19 @@ def cpu_forms_stamp() -> str:
             f"{'float16' if half_product_works() else 'float32'} copies")
 
 
-def native_kernel() -> tuple[NativeProducts | None, str | None]:
-    """The native products (built on first use into the cache), or None and why not."""
+def native_kernel() -> tuple[NativeLibrary | None, str | None]:
+    """The native kernels (built on first use into the cache), or None and why not."""
     try:
-        return native_products(cache_dir() / "native"), None
+        return native_library(cache_dir() / "native", c_compiler()), None
     except NativeUnavailable as error:
         return None, str(error)
 
 
 class NativeWeight(nn.Module):
-    """A linear layer's weight as the native products hold it (`pack_weight`): y = x @ W.T from int8
+    """A linear layer's weight as the native kernels hold it (`pack_weight`): y = x @ W.T from int16
     activations and the file's codes. `takes(x)`: whether it should (x has at most NATIVE_MAX_ROWS rows)."""
 
-    def __init__(self, products: NativeProducts, blocks: torch.Tensor, bits: int):
+    def __init__(self, products: NativeLibrary, blocks: torch.Tensor, bits: int):
         super().__init__()
         self.products = products
         self.weight = GroupedWeight(blocks, bits)  # checked once; the buffer below is the same tensor
@@ -194,7 +194,7 @@ class Kernels:
     """The quantized products this process has: the native ones (None, and `why_native` says why) and
     PyTorch's int4 kernel. `short_form` says which runs a weight."""
 
-    native: NativeProducts | None
+    native: NativeLibrary | None
     int4: bool
     why_native: str | None = None
 
@@ -270,7 +270,7 @@ def _form_keys(target: str, kind: str | None) -> list[str]:
 
 
 def _native_blocks(groups: GroupedCodes) -> torch.Tensor:
-    """A weight's codes, scales and offsets in the native products' layout (8-bit codes have no offset)."""
+    """A weight's codes, scales and offsets in the native kernels' layout (8-bit codes have no offset)."""
     bits = 8 if groups.codes.dtype == torch.int8 else 4
     return pack_weight(groups.codes, groups.scale, groups.low if bits == 4 else None, bits).blocks
 

@@ -1,5 +1,7 @@
-/* Products of GGUF-quantized weights with activations quantized to int16 in groups of 32, summed in
- * integer units (docs/design-notes.md, "Native CPU products").
+/* The CPU kernels of a quantized model's step (docs/design-notes.md, "Native CPU kernels"): products of
+ * GGUF-quantized weights with activations quantized to int16 in groups of 32, summed in integer units
+ * ("integer dots"), and the operators between them (RMSNorm, SiLU-and-multiply, RoPE with the cache
+ * stores, decode attention over a float32 paged cache), each one call where torch runs several.
  *
  * A weight row is groups of 32 codes with one float16 scale d and offset lo each (w = code * d + lo;
  * 8-bit codes, Q8_0's, have no offset). Each row of x is quantized per group like the weight:
@@ -15,8 +17,8 @@
  *
  * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
  * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
- * which give the same integer sums. Threads come from the OpenMP runtime
- * torch has already loaded (the same libgomp.so.1), so they are torch's own. */
+ * which give the same integer sums. Threads come from the OpenMP runtime torch has already loaded (the
+ * same libgomp.so.1), so they are torch's own. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-"""The native CPU products (zipage/kernels/cpu, docs/design-notes.md "Native CPU products"): activations
+"""The native CPU products (zipage/kernels/cpu, docs/design-notes.md "Native CPU kernels"): activations
 quantized exactly as the PyTorch reference does, products against the float64 reference and the
 dequantized weight for both widths and every row pattern, in the vector build and the portable one,
 real GGUF blocks, the RMSNorm, SiLU-and-multiply, RoPE-and-store and decode attention beside them, and the refusals (bad layouts, no
@@ -13,16 +13,16 @@ from gguf import GGMLQuantizationType, quants
 
 from zipage.engine.execution.models.quantized import Kernels
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
-from zipage.kernels.cpu.native import (GroupedWeight, NativeProducts, NativeUnavailable, build, pack_weight)
+from zipage.kernels.cpu.native import (GroupedWeight, NativeLibrary, NativeUnavailable, build, pack_weight)
 from zipage.kernels.reference import (add_rms_norm, grouped_int16_matmul, paged_decode_attention,
                                      qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
 
 
 @pytest.fixture(scope="module", params=["vector", "portable"])
-def products(request, tmp_path_factory) -> NativeProducts:
+def products(request, tmp_path_factory) -> NativeLibrary:
     """The library as this machine builds it, and its portable loops (what a CPU without AVX2 runs)."""
     defines = ("ZQ_PORTABLE",) if request.param == "portable" else ()
-    lib = NativeProducts(build(tmp_path_factory.mktemp("native"), defines=defines))
+    lib = NativeLibrary(build(tmp_path_factory.mktemp("native"), defines=defines))
     assert not lib.vectorized if defines else lib.vectorized == (torch.backends.cpu.get_cpu_capability() != "DEFAULT")
     return lib
 
@@ -218,13 +218,11 @@ def test_bad_layouts_and_inputs_are_refused(products):
         products.linear(torch.randn(64, 2).T, weight, threads=1)  # not contiguous
 
 
-def test_no_compiler_or_a_failed_build_is_said_plainly(tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", "no-such-compiler")
+def test_no_compiler_or_a_failed_build_is_said_plainly(tmp_path):
     with pytest.raises(NativeUnavailable, match="no C compiler: 'no-such-compiler' is not on PATH"):
-        build(tmp_path)
-    monkeypatch.setenv("CC", "false")  # a compiler that fails
-    with pytest.raises(NativeUnavailable, match="could not build q8_products.c"):
-        build(tmp_path)
+        build(tmp_path, "no-such-compiler")
+    with pytest.raises(NativeUnavailable, match="could not build kernels.c"):
+        build(tmp_path, "false")  # a compiler that fails
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
 
 
