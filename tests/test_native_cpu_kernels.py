@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from zipage.engine.execution.models.quantized import Kernels
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
-from zipage.kernels.cpu.native import (GroupedWeight, NativeLibrary, NativeUnavailable, build, pack_weight)
+from zipage.kernels.cpu.native import GroupedWeight, NativeLibrary, NativeUnavailable, build, disagreement, pack_weight
 from zipage.kernels.reference import (add_rms_norm, grouped_int16_matmul, paged_decode_attention,
                                      qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
 
@@ -224,6 +224,14 @@ def test_no_compiler_or_a_failed_build_is_said_plainly(tmp_path):
     with pytest.raises(NativeUnavailable, match="could not build kernels.c"):
         build(tmp_path, "false")  # a compiler that fails
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+def test_the_start_up_check_catches_a_wrong_kernel(products, monkeypatch):
+    assert disagreement(products) is None
+    monkeypatch.setattr(products, "rms_norm", lambda x, weight, eps, residual=None: (x * 1.001, x))
+    assert disagreement(products) == "the native RMSNorm disagrees with the reference"
+    monkeypatch.setattr(products, "linear", lambda x, weight, threads: torch.zeros(x.shape[0], weight.shape[0]))
+    assert disagreement(products).startswith("the native 4-bit product disagrees with the reference")
 
 
 def test_which_kernel_runs_which_weight_and_why_not():

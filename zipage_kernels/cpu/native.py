@@ -260,32 +260,53 @@ def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) 
 @functools.cache
 def native_library(cache_dir: Path, compiler: str = "cc") -> NativeLibrary:
     """The library for this machine, built by `compiler` into `cache_dir` on first use and checked against
-    the PyTorch reference on random data (NativeUnavailable when either fails: a wrong product is never used)."""
+    the PyTorch reference on random data (NativeUnavailable when either fails: a wrong answer is never used)."""
     try:
-        products = NativeLibrary(build(cache_dir, compiler))
+        library = NativeLibrary(build(cache_dir, compiler))
     except OSError as error:
         raise NativeUnavailable(f"the native kernels could not be loaded: {error}") from error
-    why = disagreement(products)
+    why = disagreement(library)
     if why:
         raise NativeUnavailable(why)
-    return products
+    return library
 
 
-def disagreement(products: NativeLibrary) -> str | None:
-    """None when both widths' products match the float64 reference on random data, else what differs."""
-    from zipage.kernels.reference import grouped_int16_matmul, quantize_groups_int16
+def disagreement(library: NativeLibrary) -> str | None:
+    """None when every kernel matches the PyTorch reference on small random inputs, else which does not."""
+    from zipage.kernels import reference as ref
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=gen)
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
     for bits in (4, 8):
         values = torch.randint(0, 16, (8, 64), generator=gen) if bits == 4 else torch.randint(-127, 128, (8, 64), generator=gen)
         scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
-        got = products.linear(x, pack_weight(values, scale, low, bits), threads=1)
-        want = grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale),
-                                   *quantize_groups_int16(x))
-        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        got = library.linear(x, pack_weight(values, scale, low, bits), threads=1)
+        want = ref.grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale),
+                                        *ref.quantize_groups_int16(x))
+        if not close(got, want):
             return f"the native {bits}-bit product disagrees with the reference (max error {(got - want).abs().max():.3g})"
+    weight, residual = torch.rand(64, generator=gen) + 0.5, torch.randn(3, 64, generator=gen)
+    if not close(library.rms_norm(x, weight, 1e-6, residual)[0], ref.add_rms_norm(x, residual, weight, 1e-6)[0]):
+        return "the native RMSNorm disagrees with the reference"
+    if not close(library.silu_and_mul(x), ref.silu_and_mul(x)):
+        return "the native SiLU-and-multiply disagrees with the reference"
+    k_cache, v_cache = torch.randn(2, 4, 2, 8, generator=gen), torch.randn(2, 4, 2, 8, generator=gen)
+    query, tables, lengths = torch.randn(2, 4, 8, generator=gen), torch.tensor([[1, 0], [0, -1]]), torch.tensor([7, 3])
+    want = ref.paged_decode_attention(query, k_cache, v_cache, tables, lengths, 0.3)
+    if not close(library.decode_attention(query, k_cache, v_cache, tables, lengths, 0.3, threads=1), want):
+        return "the native decode attention disagrees with the reference"
+    qkv, table = torch.randn(2, 64, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    slots = torch.tensor([5, -1])
+    caches = [torch.zeros(2, 4, 2, 8) for _ in range(4)]
+    want = ref.qk_norm_rope_store(qkv, table[:, 0], table[:, 1], None, None, 0.0, caches[0], caches[1], slots, None, None)
+    got = library.rope_store(qkv, table[:, 0], table[:, 1], caches[2], caches[3], slots, None, None)
+    if not (close(got, want) and close(caches[2], caches[0]) and torch.equal(caches[3], caches[1])):
+        return "the native RoPE-and-store disagrees with the reference"
     return None
 
 

@@ -4,7 +4,7 @@ Q4_0, Q4_1 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 
 native kernels (`zipage.kernels.cpu`, "integer dots"): activations quantized to int16 per 32 values,
 summed in integer units against the codes as stored, for products of at most NATIVE_MAX_ROWS rows.
 Q4_K (whose scales are no float16 values), or every 4-bit type where no C compiler builds the native
-products, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
+kernels, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
 and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
 a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
@@ -43,7 +43,7 @@ INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capab
 # Integer dots read each weight once for a whole batch, but their integer work grows with the
 # rows; on a 2-core AVX2 EPYC, over SmolLM2's 30 layers of weights, they beat the float16 copy up to 4
 # rows (11.3 against 13.8 ms) and lost from 5 (14.5 against 13.9; docs/benchmarks.md, "Native CPU
-# products"), and so did the 49k-row head (2.2 against 2.8 ms at 4 rows, 3.2 against 3.2 at 6).
+# kernels"), and so did the 49k-row head (2.2 against 2.8 ms at 4 rows, 3.2 against 3.2 at 6).
 NATIVE_MAX_ROWS = 4
 
 
@@ -67,9 +67,9 @@ class NativeWeight(nn.Module):
     """A linear layer's weight as the native kernels hold it (`pack_weight`): y = x @ W.T from int16
     activations and the file's codes. `takes(x)`: whether it should (x has at most NATIVE_MAX_ROWS rows)."""
 
-    def __init__(self, products: NativeLibrary, blocks: torch.Tensor, bits: int):
+    def __init__(self, library: NativeLibrary, blocks: torch.Tensor, bits: int):
         super().__init__()
-        self.products = products
+        self.library = library
         self.weight = GroupedWeight(blocks, bits)  # checked once; the buffer below is the same tensor
         self.register_buffer("blocks", self.weight.blocks)
 
@@ -78,7 +78,7 @@ class NativeWeight(nn.Module):
         return x.shape[0] <= NATIVE_MAX_ROWS  # read at each call: a benchmark may change it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.products.linear(x.float().contiguous(), self.weight, torch.get_num_threads())
+        out = self.library.linear(x.float().contiguous(), self.weight, torch.get_num_threads())
         return out.to(x.dtype)
 
 
@@ -191,8 +191,8 @@ def report_weights(report: WeightReport) -> None:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The quantized products this process has: the native ones (None, and `why_native` says why) and
-    PyTorch's int4 kernel. `short_form` says which runs a weight."""
+    """The quantized products this process has: the native kernels' integer dots (None, and `why_native`
+    says why) and PyTorch's int4 kernel. `short_form` says which runs a weight."""
 
     native: NativeLibrary | None
     int4: bool
