@@ -226,6 +226,13 @@ def test_no_compiler_or_a_failed_build_is_said_plainly(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
 
 
+def test_a_build_is_kept_once_and_replaces_older_ones(tmp_path):
+    first = build(tmp_path, defines=("ZQ_PORTABLE",))
+    assert build(tmp_path, defines=("ZQ_PORTABLE",)) == first and first.stat().st_size > 0  # built once
+    second = build(tmp_path)  # other flags: a new library, and the older one goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [second.name]
+
+
 def test_the_start_up_check_catches_a_wrong_kernel(products, monkeypatch):
     assert disagreement(products) is None
     monkeypatch.setattr(products, "rms_norm", lambda x, weight, eps, residual=None: (x * 1.001, x))

@@ -251,6 +251,9 @@ def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) 
         if done.returncode != 0:
             raise NativeUnavailable(f"{found} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
         os.replace(scratch, target)
+        for stale in cache_dir.glob("kernels-*.so"):  # builds of older sources or other compilers
+            if stale != target:
+                stale.unlink(missing_ok=True)
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
