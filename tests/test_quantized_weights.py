@@ -116,7 +116,8 @@ def without_native(monkeypatch) -> None:
 
 def gguf_names(config) -> dict[str, tuple[int, int] | int]:
     """The GGUF tensors of a tiny model: name -> shape (rows, cols) of a matrix, or length of a norm."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     names = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": hidden}
     if not config.tie_word_embeddings:
@@ -129,6 +130,8 @@ def gguf_names(config) -> dict[str, tuple[int, int] | int]:
                       f"blk.{i}.attn_norm.weight": hidden, f"blk.{i}.ffn_norm.weight": hidden})
         if config.model_type == "qwen3":
             names.update({f"blk.{i}.attn_q_norm.weight": head_dim, f"blk.{i}.attn_k_norm.weight": head_dim})
+        if config.model_type == "qwen2":  # q/k/v biases
+            names.update({f"blk.{i}.attn_q.bias": q, f"blk.{i}.attn_k.bias": kv, f"blk.{i}.attn_v.bias": kv})
     return names
 
 
@@ -262,6 +265,39 @@ def test_a_type_no_kernel_runs_on_its_float16_copy_and_said_so(capsys):
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
     # float16 holds Q5_0's values within 2**-11 of themselves
     assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=HALF_LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("family,qtype", [("llama-tiny", "Q4_1"), ("qwen2-tiny", "Q8_0")])
+def test_a_decode_layer_in_one_native_call_gives_the_operator_paths_bits(family, qtype, monkeypatch):
+    from zipage.engine.execution.models.native_layer import NativeDecodeLayer
+
+    calls = []
+    monkeypatch.setattr(NativeDecodeLayer, "__call__",
+                        lambda self, *a, f=NativeDecodeLayer.__call__: calls.append(a[0].shape[0]) or f(self, *a))
+    config = RANDOM_PRESETS[family].make_config()  # qwen2: q/k/v biases, added in the native layer too
+    source = gguf_source(config, write_gguf(config, qtype, seed=17))
+    whole, by_operator = engine(source, "auto"), engine(source, "auto")
+    layers = whole.runner.model.model.layers
+    assert all(layer.native is not None for layer in layers)
+    for layer in by_operator.runner.model.model.layers:
+        layer.native = None
+    gen = torch.Generator().manual_seed(18)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 23, 14)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for core in (whole, by_operator):
+        for prompt in prompts:
+            core.add_request(prompt, params)
+    outs = []
+    for core in (whole, by_operator):
+        done = []
+        while core.has_work():
+            done += [o for o in core.step() if o.finished]
+        outs.append(sorted(done, key=lambda o: o.id))
+    for mine, theirs in zip(*outs):
+        assert mine.token_ids == theirs.token_ids
+        assert [p.logprob for p in mine.logprobs] == [p.logprob for p in theirs.logprobs]  # the same bits
+    # three streams decode together (and alone once the others finish): every layer ran as one call
+    assert calls and max(calls) == 3 and len(calls) % len(layers) == 0
 
 
 def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:

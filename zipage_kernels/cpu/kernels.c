@@ -370,3 +370,76 @@ int zq_rope_store(const float *qkv, int64_t tokens, int64_t q_heads, int64_t kv_
     }
     return 0;
 }
+
+/* One decoder layer of a decode step, every operator above in one call (docs/design-notes.md, "Native
+ * CPU kernels"): the same functions in the same order as the layer's Python path, so the same bits.
+ * The layer's fixed parts (weights, norms, shapes) and the step's (tables, slots, cache pointers) are
+ * filled in by the caller; hidden and residual [rows, hidden] are this layer's inputs (residual NULL in
+ * the first layer), out and residual_out its outputs. */
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate;
+    const float *norm1, *norm2;
+    float eps, scale;
+    const uint8_t *weights[4]; /* qkv, o, gate_up, down, in the integer dots' layout */
+    int bits[4];
+    const float *biases[4]; /* NULL where a projection has none */
+    /* the step's */
+    int64_t rows;
+    const float *cos, *sin;
+    int64_t table_stride;
+    float *k_cache, *v_cache;
+    int64_t cache_blocks, block_size;
+    const int64_t *slots;
+    float *query_cache;
+    const int64_t *query_slots;
+    int64_t query_rows;
+    const int32_t *block_tables;
+    int64_t table_width;
+    const int32_t *context_lens;
+    int threads;
+} zq_layer;
+
+static int projection(const zq_layer *L, int which, int64_t n, int64_t k, const float *x, float *y) {
+    if (zq_linear(L->weights[which], L->bits[which], n, k, x, L->rows, y, L->threads)) return -1;
+    if (L->biases[which])
+        for (int64_t r = 0; r < L->rows; r++)
+            for (int64_t j = 0; j < n; j++) y[r * n + j] += L->biases[which][j];
+    return 0;
+}
+
+/* Returns 0; -1 without memory, -2 for a table that does not fit the cache, -3 for a slot outside it. */
+int zq_decode_layer(const zq_layer *L, const float *hidden, const float *residual, float *out, float *residual_out) {
+    const int64_t m = L->rows, H = L->hidden, q_width = L->q_heads * L->head_dim;
+    const int64_t qkv_width = q_width + 2 * L->kv_heads * L->head_dim, I = L->intermediate;
+    float *scratch = malloc(sizeof(float) * (size_t)(m * (H + qkv_width + 2 * q_width + 3 * I)));
+    if (!scratch) return -1;
+    float *normed = scratch, *qkv = normed + m * H, *q = qkv + m * qkv_width, *attended = q + m * q_width;
+    float *gate_up = attended + m * q_width, *act = gate_up + m * 2 * I;
+    int status = 0;
+    if (residual) {
+        zq_rms_norm(hidden, residual, L->norm1, L->eps, m, H, normed, residual_out);
+    } else {
+        memcpy(residual_out, hidden, sizeof(float) * (size_t)(m * H));
+        zq_rms_norm(hidden, NULL, L->norm1, L->eps, m, H, normed, NULL);
+    }
+    if ((status = projection(L, 0, qkv_width, H, normed, qkv))) goto done;
+    if (zq_rope_store(qkv, m, L->q_heads, L->kv_heads, L->head_dim, L->cos, L->sin, L->table_stride, L->k_cache,
+                      L->v_cache, L->slots, L->cache_blocks * L->block_size, L->query_cache, L->query_slots,
+                      L->query_rows, q)) {
+        status = -3;
+        goto done;
+    }
+    if ((status = zq_decode_attention(q, L->k_cache, L->v_cache, L->cache_blocks, L->block_tables, L->table_width,
+                                      L->context_lens, m, L->q_heads, L->kv_heads, L->head_dim, L->block_size,
+                                      L->scale, attended, L->threads)))
+        goto done;
+    /* the attention output's projection lands in `out`, free until the MLP writes it */
+    if ((status = projection(L, 1, H, q_width, attended, out))) goto done;
+    zq_rms_norm(out, residual_out, L->norm2, L->eps, m, H, normed, residual_out);
+    if ((status = projection(L, 2, 2 * I, H, normed, gate_up))) goto done;
+    zq_silu_and_mul(gate_up, m, I, act);
+    status = projection(L, 3, H, I, act, out);
+done:
+    free(scratch);
+    return status;
+}

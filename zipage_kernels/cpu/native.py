@@ -80,6 +80,23 @@ def pack_weight(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | N
     return GroupedWeight(torch.cat(parts, dim=-1).contiguous(), bits)
 
 
+class LayerArgs(ctypes.Structure):
+    """kernels.c's zq_layer: a decoder layer's fixed parts (weights, norms, shapes) and its step's
+    (rows, RoPE rows, caches, slots, tables), field for field."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64), ("q_heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("weights", ctypes.c_void_p * 4), ("bits", ctypes.c_int * 4), ("biases", ctypes.c_void_p * 4),
+        ("rows", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("cache_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64), ("slots", ctypes.c_void_p), ("query_cache", ctypes.c_void_p),
+        ("query_slots", ctypes.c_void_p), ("query_rows", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
+        ("table_width", ctypes.c_int64), ("context_lens", ctypes.c_void_p), ("threads", ctypes.c_int),
+    ]
+
+
 class NativeLibrary:
     """The loaded library: `linear(x, weight, threads)` (and `quantize(x)`, the activations' codes, for
     tests), `rms_norm`, `silu_and_mul`, `rope_store` and `decode_attention`."""
@@ -101,6 +118,8 @@ class NativeLibrary:
         lib.zq_silu_and_mul.restype = None
         lib.zq_rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr]
         lib.zq_rope_store.restype = ctypes.c_int
+        lib.zq_decode_layer.argtypes = [ctypes.POINTER(LayerArgs), ptr, ptr, ptr, ptr]
+        lib.zq_decode_layer.restype = ctypes.c_int
         lib.zq_group_stride.argtypes = [ctypes.c_int]
         if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in (4, 8)):
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
@@ -189,6 +208,23 @@ class NativeLibrary:
                                    0 if query_slots is None else query_cache.shape[0], q.data_ptr()):
             raise ValueError(f"a slot outside the cache ({k_cache.shape[0] * block_size} rows) or the query cache")
         return q
+
+    def decode_layer(self, args: LayerArgs, hidden: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's decode step in one call: (MLP output, residual stream) for float32 rows
+        hidden and residual (None in the first layer), with `args` filled in for this layer and step.
+        The caller owns every pointer in `args`: they must stay valid, and match its shapes."""
+        out, residual_out = torch.empty_like(hidden), torch.empty_like(hidden)
+        failed = self._lib.zq_decode_layer(ctypes.byref(args), hidden.data_ptr(),
+                                           None if residual is None else residual.data_ptr(),
+                                           out.data_ptr(), residual_out.data_ptr())
+        if failed == -1:
+            raise MemoryError("no memory for a decoder layer's activations")
+        if failed == -2:
+            raise ValueError("block tables that do not fit the cache")
+        if failed == -3:
+            raise ValueError("a slot outside the cache or the query cache")
+        return out, residual_out
 
     def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,

@@ -287,6 +287,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.native = None  # NativeDecodeLayer (models/native_layer.py; CausalLM.run_natively), or None
 
     def forward(self, hidden, residual, cos_sin, batch, skinny: bool = False):
         """The residual stream travels beside the sublayer outputs, so each residual add fuses
@@ -294,6 +295,8 @@ class DecoderLayer(nn.Module):
         skinny: the small-batch decode path (see `skinny_decode`)."""
         if skinny:
             return self._forward_skinny(hidden, residual, cos_sin, batch)
+        if self.native is not None and self.native.takes(hidden, batch):
+            return self.native(hidden, residual, cos_sin, batch)  # the whole layer in one native call
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
@@ -397,12 +400,17 @@ class CausalLM(nn.Module):
             self.head_weight = None  # the packed copy holds the same values
         return True
 
-    def run_natively(self, products) -> None:
+    def run_natively(self, library) -> None:
         """Run every RMSNorm, SiLU-and-multiply, and RoPE, cache stores and decode attention over a float32
-        cache on the native CPU library (docs/design-notes.md, "Native CPU kernels")."""
+        cache on the native CPU library, and each layer whose projections all run integer dots as one
+        call a decode step (docs/design-notes.md, "Native CPU kernels")."""
+        from zipage.engine.execution.models.native_layer import NativeDecodeLayer
+
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
-                module.native = products
+                module.native = library
+        for layer in self.model.layers:  # and a decode step's whole layer, where all of it runs there
+            layer.native = NativeDecodeLayer(layer, library) if NativeDecodeLayer.fits(layer) else None
 
     def _tied_head_weight(self) -> torch.Tensor | None:
         """A tied head's float values: its own copy, else the embedding's (None when the embedding is
