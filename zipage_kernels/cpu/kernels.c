@@ -265,6 +265,42 @@ void zq_rms_norm(const float *x, const float *residual, const float *weight, flo
     }
 }
 
+/* One query head's attention over its sequence's entries: k_base and v_base point at the KV head's
+ * first float in the caches, `entry` floats apart from one cache slot to the next; table the
+ * sequence's blocks (-1: a hole, skipped). Block by block, so the table is read once a block with no
+ * division per entry. The output row o [d] is written; scores [length] is scratch. */
+static void attend_head(const float *qh, const float *k_base, const float *v_base, int64_t entry,
+                        const int32_t *table, int64_t length, int64_t block_size, int64_t d, float scale,
+                        float *scores, float *o) {
+    float top = -INFINITY;
+    for (int64_t i = 0, t = 0; t < length; i++) {
+        const int64_t count = length - t < block_size ? length - t : block_size;
+        for (int64_t e = 0; e < count; e++, t++) {
+            scores[t] = table[i] < 0 ? -INFINITY
+                                     : dot_product(qh, k_base + (table[i] * block_size + e) * entry, d) * scale;
+            top = scores[t] > top ? scores[t] : top;
+        }
+    }
+    for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+    float total = 0.0f;
+    for (int64_t i = 0, t = 0; t < length; i++) {
+        const int64_t count = length - t < block_size ? length - t : block_size;
+        if (table[i] < 0) {
+            t += count;
+            continue;
+        }
+        const float *v = v_base + table[i] * block_size * entry;
+        for (int64_t e = 0; e < count; e++, t++) {
+            const float p = expf(scores[t] - top);
+            total += p;
+            for (int64_t j = 0; j < d; j++) o[j] += p * v[e * entry + j];
+        }
+    }
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t j = 0; j < d; j++) o[j] *= inverse;
+}
+
+
 /* Decode attention of float32 queries [batch, q_heads, d] against a float32 paged cache [blocks,
  * block_size, kv_heads, d]: each sequence's entries 0 .. context_len - 1 through its row of
  * block_tables [batch, width] (a block of -1 is a hole, skipped), softmax(q . k * scale) . v per query
@@ -296,31 +332,12 @@ int zq_decode_attention(const float *q, const float *k_cache, const float *v_cac
             if (!scores) continue;
             const int64_t b = item / kv_heads, h = item % kv_heads, length = context_lens[b];
             const int32_t *table = block_tables + b * width;
+            const int64_t entry = kv_heads * d; /* floats from one cache entry to the next */
+            const float *k_base = k_cache + h * d, *v_base = v_cache + h * d;
             for (int64_t g = 0; g < group; g++) {
                 const float *qh = q + (b * q_heads + h * group + g) * d;
                 float *o = out + (b * q_heads + h * group + g) * d;
-                float top = -INFINITY;
-                for (int64_t t = 0; t < length; t++) {
-                    const int32_t block = table[t / block_size];
-                    if (block < 0) {
-                        scores[t] = -INFINITY;
-                        continue;
-                    }
-                    const float *k = k_cache + ((block * block_size + t % block_size) * kv_heads + h) * d;
-                    scores[t] = dot_product(qh, k, d) * scale;
-                    top = scores[t] > top ? scores[t] : top;
-                }
-                for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-                float total = 0.0f;
-                for (int64_t t = 0; t < length; t++) {
-                    if (scores[t] == -INFINITY) continue;
-                    const float p = expf(scores[t] - top);
-                    const float *v = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + h) * d;
-                    total += p;
-                    for (int64_t j = 0; j < d; j++) o[j] += p * v[j];
-                }
-                const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t j = 0; j < d; j++) o[j] *= inverse;
+                attend_head(qh, k_base, v_base, entry, table, length, block_size, d, scale, scores, o);
             }
         }
         free(scores);
