@@ -129,7 +129,7 @@ class NativeLibrary:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 rows [m, k] -> (int16 codes [m, k], scales [m, k/32], quantized group sums [m, k/32])."""
-        _check_rows(x)
+        _require_rows(x)
         m, k = x.shape
         codes = torch.empty(m, k, dtype=torch.int16)
         scale, total = torch.empty(m, k // GROUP), torch.empty(m, k // GROUP)
@@ -138,7 +138,7 @@ class NativeLibrary:
 
     def linear(self, x: torch.Tensor, weight: GroupedWeight, threads: int) -> torch.Tensor:
         """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside)."""
-        _check_rows(x)
+        _require_rows(x)
         n, k = weight.shape
         if x.shape[1] != k:
             raise ValueError(f"rows of {x.shape[1]} values against a weight of {k} columns")
@@ -148,29 +148,25 @@ class NativeLibrary:
             raise MemoryError(f"no memory for {x.shape[0]} x {k} quantized activations")
         return out
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of v times weight, v) for float32 rows x [m, n], where v = x + residual when one is
         given, else x itself: the reference's rms_norm and add_rms_norm in one call."""
+        _require_plain("RMSNorm", x, weight, *([residual] if residual is not None else []))
         m, n = x.shape if x.dim() == 2 else (-1, -1)
-        for t in (x, residual):
-            if t is not None and (t.dim() != 2 or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
-                raise ValueError(f"expected contiguous CPU float32 rows, got {tuple(t.shape)} {t.dtype} on {t.device}")
-        if (residual is not None and residual.shape != x.shape) or weight.shape != (n,) or \
-                weight.dtype != torch.float32 or not weight.is_contiguous():
-            raise ValueError(f"a norm of {n} float32 weights over rows {tuple(x.shape)}")
+        if (residual is not None and residual.shape != x.shape) or weight.shape != (n,):
+            raise ValueError(f"a norm of {tuple(weight.shape)} weights over rows {tuple(x.shape)}")
         out = torch.empty_like(x)
         summed = torch.empty_like(x) if residual is not None else x
         self._lib.zq_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                               eps, m, n, out.data_ptr(), summed.data_ptr())
         return out, summed
 
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for float32 rows [m, 2n] holding gate then up: [m, n]."""
-        if x.dim() != 2 or x.shape[1] % 2 or x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError(f"expected contiguous CPU float32 rows of gate then up, got {tuple(x.shape)} {x.dtype}")
+        _require_plain("SiLU-and-multiply", x)
+        if x.dim() != 2 or x.shape[1] % 2:
+            raise ValueError(f"expected rows of gate then up, got {tuple(x.shape)}")
         out = torch.empty(x.shape[0], x.shape[1] // 2)
         self._lib.zq_silu_and_mul(x.data_ptr(), x.shape[0], x.shape[1] // 2, out.data_ptr())
         return out
@@ -184,25 +180,26 @@ class NativeLibrary:
         tokens, width = qkv.shape
         _, block_size, kv_heads, head_dim = k_cache.shape
         q_heads = width // head_dim - 2 * kv_heads
-        plain = [qkv, k_cache, v_cache] + ([query_cache] if query_cache is not None else [])
-        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in plain) or \
-                any(t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride() != cos.stride() or t.device.type != "cpu"
-                    for t in (cos, sin)):
-            raise ValueError("native RoPE and store take contiguous CPU float32 rows, tables and caches")
-        if q_heads <= 0 or width != (q_heads + 2 * kv_heads) * head_dim or head_dim % 2 or v_cache.shape != k_cache.shape \
-                or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
-            raise ValueError(f"qkv rows {tuple(qkv.shape)} do not fit a cache {tuple(k_cache.shape)} and tables {tuple(cos.shape)}")
+        _require_plain("RoPE and store", qkv, k_cache, v_cache, *([query_cache] if query_cache is not None else []))
+        _require_plain("RoPE and store", cos[:1], sin[:1])  # rows of one table: each row contiguous
+        if q_heads <= 0 or width != (q_heads + 2 * kv_heads) * head_dim or head_dim % 2 or \
+                v_cache.shape != k_cache.shape or cos.shape != (tokens, head_dim) or sin.stride() != cos.stride() or \
+                sin.shape != cos.shape:
+            raise ValueError(f"qkv rows {tuple(qkv.shape)} do not fit a cache {tuple(k_cache.shape)} "
+                             f"and tables {tuple(cos.shape)}")
         slots = slot_mapping.to(torch.int64).contiguous()
         query_slots = None
         if query_cache is not None and query_slot_mapping is not None:
             query_slots = query_slot_mapping.to(torch.int64).contiguous()
             if query_cache.shape[1:] != (q_heads, head_dim) or query_slots.shape != (tokens,):
-                raise ValueError(f"query rows {tuple(query_slots.shape)} do not fit a query cache {tuple(query_cache.shape)}")
+                raise ValueError(f"query rows {tuple(query_slots.shape)} do not fit a query cache "
+                                 f"{tuple(query_cache.shape)}")
         if slots.shape != (tokens,):
             raise ValueError(f"{tuple(slots.shape)} slots for {tokens} rows")
         q = torch.empty(tokens, q_heads, head_dim)
-        if self._lib.zq_rope_store(qkv.data_ptr(), tokens, q_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                                   cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * block_size,
+        if self._lib.zq_rope_store(qkv.data_ptr(), tokens, q_heads, kv_heads, head_dim, cos.data_ptr(),
+                                   sin.data_ptr(), cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   slots.data_ptr(), k_cache.shape[0] * block_size,
                                    None if query_slots is None else query_cache.data_ptr(),
                                    None if query_slots is None else query_slots.data_ptr(),
                                    0 if query_slots is None else query_cache.shape[0], q.data_ptr()):
@@ -233,17 +230,17 @@ class NativeLibrary:
         scales): [batch, q_heads, head_dim]."""
         batch, q_heads, head_dim = query.shape
         _, block_size, kv_heads, cache_dim = k_cache.shape
-        for t in (query, k_cache, v_cache):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("native decode attention takes contiguous CPU float32 queries and caches")
+        _require_plain("decode attention", query, k_cache, v_cache)
         if cache_dim != head_dim or v_cache.shape != k_cache.shape or q_heads % kv_heads:
             raise ValueError(f"queries {tuple(query.shape)} do not fit a cache {tuple(k_cache.shape)}")
         tables = block_tables.to(torch.int32).contiguous()
         lengths = context_lens.to(torch.int32).contiguous()
         if tables.dim() != 2 or tables.shape[0] != batch or lengths.shape != (batch,):
-            raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lengths.shape)} for {batch} queries")
+            raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lengths.shape)} "
+                             f"for {batch} queries")
         out = torch.empty_like(query)
-        failed = self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+        failed = self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                               k_cache.shape[0],
                                                tables.data_ptr(), tables.shape[1], lengths.data_ptr(), batch, q_heads,
                                                kv_heads, head_dim, block_size, scale, out.data_ptr(), max(1, threads))
         if failed == -2:
@@ -254,9 +251,18 @@ class NativeLibrary:
         return out
 
 
-def _check_rows(x: torch.Tensor) -> None:
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"expected contiguous CPU float32 rows, got {tuple(x.shape)} {x.dtype} on {x.device}")
+def _require_plain(what: str, *tensors: torch.Tensor) -> None:
+    """What every kernel reads or writes through a bare pointer: contiguous float32 CPU tensors."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"native {what} takes contiguous CPU float32 tensors, not {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
+
+
+def _require_rows(x: torch.Tensor) -> None:
+    _require_plain("products", x)
+    if x.dim() != 2:
+        raise ValueError(f"expected rows [m, k], got {tuple(x.shape)}")
     if x.shape[1] % GROUP:
         raise ValueError(f"rows of {x.shape[1]} values are not whole groups of {GROUP}")
 
@@ -321,14 +327,16 @@ def disagreement(library: NativeLibrary) -> str | None:
         return torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
     for bits in (4, 8):
-        values = torch.randint(0, 16, (8, 64), generator=gen) if bits == 4 else torch.randint(-127, 128, (8, 64), generator=gen)
+        low_code, high_code = (0, 16) if bits == 4 else (-127, 128)
+        values = torch.randint(low_code, high_code, (8, 64), generator=gen)
         scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
         got = library.linear(x, pack_weight(values, scale, low, bits), threads=1)
         want = ref.grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale),
                                         *ref.quantize_groups_int16(x))
         if not close(got, want):
-            return f"the native {bits}-bit product disagrees with the reference (max error {(got - want).abs().max():.3g})"
+            error = float((got - want).abs().max())
+            return f"the native {bits}-bit product disagrees with the reference (max error {error:.3g})"
     weight, residual = torch.rand(64, generator=gen) + 0.5, torch.randn(3, 64, generator=gen)
     if not close(library.rms_norm(x, weight, 1e-6, residual)[0], ref.add_rms_norm(x, residual, weight, 1e-6)[0]):
         return "the native RMSNorm disagrees with the reference"
@@ -342,7 +350,8 @@ def disagreement(library: NativeLibrary) -> str | None:
     qkv, table = torch.randn(2, 64, generator=gen), torch.randn(2, 2, 8, generator=gen)
     slots = torch.tensor([5, -1])
     caches = [torch.zeros(2, 4, 2, 8) for _ in range(4)]
-    want = ref.qk_norm_rope_store(qkv, table[:, 0], table[:, 1], None, None, 0.0, caches[0], caches[1], slots, None, None)
+    want = ref.qk_norm_rope_store(qkv, table[:, 0], table[:, 1], None, None, 0.0, caches[0], caches[1], slots,
+                                  None, None)
     got = library.rope_store(qkv, table[:, 0], table[:, 1], caches[2], caches[3], slots, None, None)
     if not (close(got, want) and close(caches[2], caches[0]) and torch.equal(caches[3], caches[1])):
         return "the native RoPE-and-store disagrees with the reference"
