@@ -66,9 +66,10 @@ def test_the_product_matches_the_reference_for_every_row_pattern(products, bits,
     want = grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale), *quantize_groups_int16(x))
     assert got.dtype == torch.float32 and got.shape == (rows, 64)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    # and against the weight itself times the float activations: the int8 rounding of x is all it adds
+    # and against the weight itself times the float activations: the int16 rounding of x is all it adds
+    # (int8 activations would be ~5e-3 off)
     exact = x.double() @ dequantized(values, scale, low).T
-    assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
+    assert float((got.double() - exact).norm() / exact.norm()) < 1e-3
 
 
 def test_threads_split_the_outputs_without_changing_a_bit(products):
@@ -89,7 +90,7 @@ def test_real_gguf_blocks_give_the_dequantized_product(products, qtype):
     x = torch.randn(2, 320, generator=torch.Generator().manual_seed(5))
     want = x.double() @ tensor.dequantize().double().T
     got = products.linear(x, weight, threads=2)
-    assert float((got.double() - want).norm() / want.norm()) < 1e-2
+    assert float((got.double() - want).norm() / want.norm()) < 1e-3
 
 
 @pytest.mark.parametrize("rows,size", [(1, 576), (3, 100), (2, 5)])  # sizes past and short of 8 lanes

@@ -244,7 +244,7 @@ def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family,
         out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0))
         judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
         for token, mine, ref in zip(out.token_ids, out.logprobs, judged):
-            # int8 or bf16 activations: within 0.1 nats of the float32 model's own log-probability
+            # int16 or bf16 activations: within 0.1 nats of the float32 model's own log-probability
             assert mine.logprob == pytest.approx(ref.logprob, abs=0.1)
             agree += next(iter(ref.top)) == token
             total += 1
