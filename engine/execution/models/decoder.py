@@ -224,7 +224,7 @@ class Attention(nn.Module):
         scales = self.cache_scales
         query_cache = batch.query_cache[self.layer_index] if store_queries else None
         query_slots = batch.query_slot_mapping if store_queries else None
-        if self._natively(qkv) and not self.qk_norm and not self.qk_rotation:
+        if self.runs_natively(qkv) and not self.qk_norm and not self.qk_rotation:
             q = self.native.rope_store(qkv, *cos_sin, self.k_cache, self.v_cache, batch.slot_mapping, query_cache,
                                        query_slots)
         else:
@@ -246,7 +246,7 @@ class Attention(nn.Module):
             out = self._decode_attention(q, batch.block_tables, batch.context_lens, batch)
         return out.reshape(tokens, self.q_size)
 
-    def _natively(self, x: torch.Tensor) -> bool:
+    def runs_natively(self, x: torch.Tensor) -> bool:
         """Whether this layer's attention runs on the native CPU library: a model run there, and float32
         activations and cache (an 8-bit cache's scales are not its to read)."""
         return self.native is not None and not self.cache_scales and x.dtype == self.k_cache.dtype == torch.float32
@@ -255,7 +255,7 @@ class Attention(nn.Module):
                           batch: ForwardBatch) -> torch.Tensor:
         """One query per sequence against its paged context: natively for a float32 cache of a model
         that runs on the native CPU library, else through the kernel seam."""
-        if self._natively(q):
+        if self.runs_natively(q):
             return self.native.decode_attention(q.contiguous(), self.k_cache, self.v_cache, block_tables,
                                                 context_lens, self.scale, torch.get_num_threads())
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, block_tables, context_lens, self.scale,

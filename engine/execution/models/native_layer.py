@@ -54,7 +54,7 @@ class NativeDecodeLayer:
         """A decode-only step of at most LAYER_MAX_ROWS float32 rows over a float32 cache."""
         attn = self.layer.self_attn
         return (not batch.is_prefill and not batch.num_decode and hidden.shape[0] <= LAYER_MAX_ROWS
-                and hidden.dtype == torch.float32 and hidden.is_contiguous() and attn._natively(hidden)
+                and hidden.dtype == torch.float32 and hidden.is_contiguous() and attn.runs_natively(hidden)
                 and not attn.qk_rotation)
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch):
