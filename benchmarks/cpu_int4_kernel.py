@@ -9,8 +9,9 @@ Why a quantized layer runs int4 only for products of a few rows, and its float16
 (docs/design-notes.md, "Quantized CPU weights"). Best of 7 calls per product, after one untimed call;
 the int4 side is `_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path),
 the float16 copy `cpu_products.HalfWeight` (float32 activations and outputs), the native product
-(`zipage.kernels.cpu`: activations quantized to int8 per 32 values, then integer sums; `--bits 8` for
-Q8_0's codes), quantizing included. One weight
+(`zipage.kernels.cpu`: activations quantized to int16 per 32 values, then integer sums; `--bits 8` for
+Q8_0's codes), quantizing included; where its products are AVX-512, the same source built for AVX2
+beside it. One weight
 stays in the CPU's caches from call to call; with --layers N, every timed call runs the products of
 N layers of SmolLM2's shapes (fused q/k/v, o, fused gate/up, down), each weight its own, so the
 weights stream from memory as in a decode step.
@@ -25,7 +26,7 @@ import torch
 
 from zipage.engine.cpu_products import HalfWeight, half_product_works
 from zipage.engine.loading.loader import c_compiler, cache_dir
-from zipage.kernels.cpu.native import NativeUnavailable, native_library, pack_weight
+from zipage.kernels.cpu.native import NativeLibrary, NativeUnavailable, build, native_library, pack_weight
 
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate/up, down
 
@@ -72,8 +73,13 @@ def main() -> None:
     except NativeUnavailable as error:
         native = None
         print(f"no native kernels: {error}")
+    avx2 = None  # the AVX2 products, to weigh the AVX-512 ones against
+    if native is not None and native.vector_path == "AVX-512":
+        avx2 = NativeLibrary(build(cache_dir() / "native-avx2", c_compiler(), defines=("ZQ_NO_AVX512",)))
     what = f"{args.layers} layers of SmolLM2's products" if args.layers else f"weight {args.out} x {args.inp}"
-    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), {what}")
+    path = f", native {native.vector_path}" if native is not None else ""
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), "
+          f"{what}{path}")
     for rows in (int(r) for r in args.rows.split(",")):
         x = {inp: torch.randn(rows, inp, generator=gen) for inp in {inp for _, inp in shapes}}
         xb = {inp: v.bfloat16() for inp, v in x.items()}
@@ -90,15 +96,16 @@ def main() -> None:
             for inp, *_, half, _ in forms:
                 half(x[inp])
 
-        def native_matmuls():
+        def native_matmuls(library=native):
             for inp, *_, weight in forms:
-                native.linear(x[inp], weight, args.threads)
+                library.linear(x[inp], weight, args.threads)
 
         int4, fp32 = best_ms(int4_products), best_ms(fp32_products)
         fp16 = f"{best_ms(fp16_products):7.2f} ms" if half_product_works() else "(no FBGEMM)"
         own = f"{best_ms(native_matmuls):7.2f} ms" if native is not None else "(none)"
+        own_avx2 = f"   native AVX2 {best_ms(lambda: native_matmuls(avx2)):7.2f} ms" if avx2 is not None else ""
         print(f"{rows:4d} rows: int4 {int4:7.2f} ms   float16 copy {fp16}   packed fp32 {fp32:7.2f} ms   "
-              f"native {own}")
+              f"native {own}{own_avx2}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The native CPU products (zipage/kernels/cpu, docs/design-notes.md "Native CPU kernels"): activations
 quantized exactly as the PyTorch reference does, products against the float64 reference and the
-dequantized weight for both widths and every row pattern, in the vector build and the portable one,
-real GGUF blocks, the RMSNorm, SiLU-and-multiply, RoPE-and-store and decode attention beside them, and the refusals (bad layouts, no
-compiler, a failed build)."""
+dequantized weight for both widths and every row pattern, in the vector build (and its AVX2 products
+where that build's are AVX-512) and the portable one, real GGUF blocks, the RMSNorm, SiLU-and-multiply,
+RoPE-and-store and decode attention beside them, and the refusals (bad layouts, no compiler, a failed
+build); a compiler without OpenMP builds a one-thread library."""
 
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ from gguf import GGMLQuantizationType, quants
 from zipage.engine.execution.models.quantized import Kernels
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
 from zipage.kernels.cpu.native import GroupedWeight, NativeLibrary, NativeUnavailable, build, disagreement, pack_weight
-from zipage.kernels.reference import (add_rms_norm, grouped_int16_matmul, paged_decode_attention,
+from zipage.kernels.reference import (add_rms_norm, paged_decode_attention,
                                      qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
 
 
-@pytest.fixture(scope="module", params=["vector", "portable"])
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+VECTOR_PATH = {"AVX2": "AVX2", "AVX512": "AVX-512"}.get(CAPABILITY, "portable")
+
+
+@pytest.fixture(scope="module", params=["vector", "portable"] + (["avx2"] if VECTOR_PATH == "AVX-512" else []))
 def products(request, tmp_path_factory) -> NativeLibrary:
-    """The library as this machine builds it, and its portable loops (what a CPU without AVX2 runs)."""
-    defines = ("ZQ_PORTABLE",) if request.param == "portable" else ()
+    """The library as this machine builds it, its portable loops (what a CPU without AVX2 runs), and
+    its AVX2 products where the vector build's are AVX-512."""
+    defines = {"vector": (), "avx2": ("ZQ_NO_AVX512",), "portable": ("ZQ_PORTABLE",)}[request.param]
     lib = NativeLibrary(build(tmp_path_factory.mktemp("native"), defines=defines))
-    assert not lib.vectorized if defines else lib.vectorized == (torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    assert lib.vector_path == {"vector": VECTOR_PATH, "avx2": "AVX2", "portable": "portable"}[request.param]
+    assert lib.threaded
     return lib
 
 
@@ -63,7 +70,7 @@ def test_the_product_matches_the_reference_for_every_row_pattern(products, bits,
     values, scale, low = random_weight(64, 256, bits, gen)
     x = torch.randn(rows, 256, generator=gen)
     got = products.linear(x, pack_weight(values, scale, low, bits), threads=1)
-    want = grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale), *quantize_groups_int16(x))
+    want = products.reference(x, values, scale, low)
     assert got.dtype == torch.float32 and got.shape == (rows, 64)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     # and against the weight itself times the float activations: the int16 rounding of x is all it adds
@@ -77,6 +84,16 @@ def test_threads_split_the_outputs_without_changing_a_bit(products):
     values, scale, low = random_weight(96, 512, 4, gen)
     weight, x = pack_weight(values, scale, low, 4), torch.randn(3, 512, generator=gen)
     assert torch.equal(products.linear(x, weight, threads=1), products.linear(x, weight, threads=2))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(products, bits):
+    gen = torch.Generator().manual_seed(6)
+    values, scale, low = random_weight(32, 192, bits, gen)
+    weight, x = pack_weight(values, scale, low, bits), torch.randn(13, 192, generator=gen)
+    together = products.linear(x, weight, threads=1)
+    for start, stop in ((0, 1), (3, 4), (5, 7), (1, 9), (12, 13)):
+        assert torch.equal(products.linear(x[start:stop], weight, threads=1), together[start:stop])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -225,6 +242,19 @@ def test_no_compiler_or_a_failed_build_is_said_plainly(tmp_path):
     with pytest.raises(NativeUnavailable, match="could not build kernels.c"):
         build(tmp_path, "false")  # a compiler that fails
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_library(tmp_path):
+    # what Apple's clang without libomp does with -fopenmp: refuse it
+    compiler = tmp_path / "cc-without-openmp"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "unsupported option -fopenmp" >&2; '
+                        'exit 1; }; done\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    lib = NativeLibrary(build(tmp_path / "native", str(compiler), defines=("ZQ_PORTABLE",)))
+    assert not lib.threaded and disagreement(lib) is None
+    x, (values, scale, low) = torch.randn(3, 64), random_weight(8, 64, 4, torch.Generator().manual_seed(5))
+    weight = pack_weight(values, scale, low, 4)
+    assert torch.equal(lib.linear(x, weight, threads=2), lib.linear(x, weight, threads=1))
 
 
 def test_a_build_is_kept_once_and_replaces_older_ones(tmp_path):

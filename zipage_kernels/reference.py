@@ -563,3 +563,12 @@ def grouped_int16_matmul(values: torch.Tensor, scale: torch.Tensor, low: torch.T
     x = xq.double().view(xq.shape[0], k // group, group)
     dots = torch.einsum("ngj,mgj->mng", w, x)  # exact integer sums in float64
     return (dots * scale.double()[None] * xs.double()[:, None]).sum(-1) + xsum.double() @ low.double().T
+
+
+def grouped_matmul(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, x: torch.Tensor,
+                   group: int = 32) -> torch.Tensor:
+    """x @ W.T in float64 for W = values * scale + low in groups of `group` and float rows x: the
+    product the AVX-512 build computes from the decoded weights."""
+    n, k = values.shape
+    w = values.double().view(n, k // group, group) * scale.double()[..., None] + low.double()[..., None]
+    return x.double() @ w.view(n, k).T

@@ -1,7 +1,9 @@
 /* The CPU kernels of a quantized model's step (docs/design-notes.md, "Native CPU kernels"): products of
- * GGUF-quantized weights with activations quantized to int16 in groups of 32, summed in integer units
- * ("integer dots"), and the operators between them (RMSNorm, SiLU-and-multiply, RoPE with the cache
- * stores, decode attention over a float32 paged cache), each one call where torch runs several.
+ * GGUF-quantized weights as stored with float32 activations ("integer dots": on AVX2 and in the
+ * portable loops the activations are quantized to int16 in groups of 32 and summed in integer units;
+ * with AVX-512 each weight is decoded to float32 in registers instead), and the operators between them
+ * (RMSNorm, SiLU-and-multiply, RoPE with the cache stores, decode attention over a float32 paged
+ * cache), each one call where torch runs several.
  *
  * A weight row is groups of 32 codes with one float16 scale d and offset lo each (w = code * d + lo;
  * 8-bit codes, Q8_0's, have no offset). Each row of x is quantized per group like the weight:
@@ -17,8 +19,11 @@
  *
  * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
  * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
- * which give the same integer sums. Threads come from the OpenMP runtime torch has already loaded (the
- * same libgomp.so.1), so they are torch's own. */
+ * which give the same integer sums. With AVX-512 the integer sums cost as much as float ones (a
+ * multiply, a conversion and a scaled add per group and row), so there a group's 32 weights are decoded
+ * once (code * d + lo: exact in float32 but for the add's one rounding) and each row costs two fused
+ * multiply-adds a group, from float32 activations. Threads come from the OpenMP runtime torch has
+ * already loaded (the same libgomp.so.1), so they are torch's own. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +31,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ZQ_PORTABLE)
 #include <immintrin.h>
 #define ZQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ZQ_NO_AVX512)
+#define ZQ_AVX512 1
+#endif
 #endif
 
 #define GROUP 32
@@ -39,8 +47,20 @@ static inline int64_t group_stride(int bits) {
 
 int zq_group_stride(int bits) { return (int)group_stride(bits); }
 
+/* The products' instructions: 0 the portable loops, 1 AVX2, 2 AVX-512 (float32 products). */
 int zq_vector_path(void) {
-#ifdef ZQ_AVX2
+#if defined(ZQ_AVX512)
+    return 2;
+#elif defined(ZQ_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the library was built with OpenMP, so that `threads` splits its loops. */
+int zq_threaded(void) {
+#ifdef _OPENMP
     return 1;
 #else
     return 0;
@@ -212,10 +232,86 @@ static inline __attribute__((always_inline)) void matmul(
     }
 }
 
-/* y[m x n] = x @ W.T: x (m x k floats) quantized into scratch memory, then the integer products.
- * Returns 0, or -1 where the scratch memory could not be had (y is then untouched). */
+#ifdef ZQ_AVX512
+/* A row's 32 weights of a group as floats in two registers: code * d + lo (8-bit codes: code * d). */
+static inline void decode_weights(const uint8_t *codes, const int bits, __m512 d, __m512 lo, __m512 w[2]) {
+    if (bits == 8) {
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), d);
+        return;
+    }
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), d, lo);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, lo);
+}
+
+/* Outputs first + j0 .. first + j0 + outs - 1 of one block for float rows r .. r + rows - 1 (rows and
+ * outs constants once inlined: rows x outs accumulators of 16 lanes). A row's sums run in the same
+ * order whatever rows it shares a pass with, so its outputs do not depend on the batch. */
+static inline __attribute__((always_inline)) void float_outputs(
+        const uint8_t *block, const int bits, int64_t n, int64_t k, const float *x, int64_t first, int j0,
+        const int outs, int64_t r, const int rows, float *y) {
+    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = GROUP * bits / 8;
+    const int header = OUT_BLOCK * 2 * (bits == 4 ? 2 : 1);
+    __m512 acc[8][4];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < outs; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * stride;
+        /* the block's four scales and offsets, each output's then broadcast from these registers */
+        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
+        const __m512 lo4 = bits == 4 ? _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2))))
+                                     : _mm512_setzero_ps();
+        for (int j = 0; j < outs; j++) {
+            const __m512i which = _mm512_set1_epi32(j0 + j);
+            __m512 w[2];
+            decode_weights(group + header + (j0 + j) * row_bytes, bits, _mm512_permutexvar_ps(which, d4),
+                           _mm512_permutexvar_ps(which, lo4), w);
+            for (int i = 0; i < rows; i++) {
+                const float *row = x + (r + i) * k + g * GROUP;
+                acc[i][j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(row), acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(row + 16), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < outs; j++) y[(r + i) * n + first + j0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+/* y[m x n] = x @ W.T from float rows: eight rows a pass (the block's four outputs two at a time, so
+ * the accumulators fit the 32 registers), then 4, 2 and 1 for the rest. */
+static inline __attribute__((always_inline)) void float_matmul(
+        const uint8_t *weight, const int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+        int threads) {
+    const int64_t block_bytes = (k / GROUP) * group_stride(bits);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < n / OUT_BLOCK; b++) {
+        const uint8_t *block = weight + b * block_bytes;
+        const int64_t first = b * OUT_BLOCK;
+        int64_t r = 0;
+        for (; r + 8 <= m; r += 8) {
+            float_outputs(block, bits, n, k, x, first, 0, 2, r, 8, y);
+            float_outputs(block, bits, n, k, x, first, 2, 2, r, 8, y);
+        }
+        if (m - r >= 4) float_outputs(block, bits, n, k, x, first, 0, 4, r, 4, y), r += 4;
+        if (m - r >= 2) float_outputs(block, bits, n, k, x, first, 0, 4, r, 2, y), r += 2;
+        if (m - r >= 1) float_outputs(block, bits, n, k, x, first, 0, 4, r, 1, y);
+    }
+}
+#endif
+
+/* y[m x n] = x @ W.T: with AVX-512 from the float rows themselves; else x (m x k floats) quantized
+ * into scratch memory, then the integer products. Returns 0, or -1 where the scratch memory could not
+ * be had (y is then untouched). */
 int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
               int threads) {
+#ifdef ZQ_AVX512
+    if (bits == 4)
+        float_matmul(weight, 4, n, k, x, m, y, threads);
+    else
+        float_matmul(weight, 8, n, k, x, m, y, threads);
+    return 0;
+#else
     const int64_t groups = m * (k / GROUP);
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(2 * groups));
@@ -232,6 +328,7 @@ int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float
     free(xq);
     free(xs);
     return 0;
+#endif
 }
 
 /* a . b over n floats, in eight lanes (which the compiler vectorizes), then those in order. */

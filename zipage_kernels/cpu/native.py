@@ -28,6 +28,9 @@ GROUP = 32  # values per scale, in the weights and in the quantized activations
 OUT_BLOCK = 4  # a weight's output rows go four at a time: its row count must be a multiple
 
 
+VECTOR_PATHS = ("portable", "AVX2", "AVX-512")  # kernels.c's zq_vector_path(), by number
+
+
 class NativeUnavailable(RuntimeError):
     """The native kernels cannot be built or loaded here; the message says why."""
 
@@ -109,6 +112,7 @@ class NativeLibrary:
         lib.zq_linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.zq_linear.restype = ctypes.c_int
         lib.zq_vector_path.restype = ctypes.c_int
+        lib.zq_threaded.restype = ctypes.c_int
         lib.zq_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
         lib.zq_rms_norm.restype = None
         lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
@@ -125,7 +129,21 @@ class NativeLibrary:
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
         self._lib = lib
         self.path = path
-        self.vectorized = bool(lib.zq_vector_path())
+        self.vector_path = VECTOR_PATHS[lib.zq_vector_path()]
+        # what the products multiply the weights' codes by: float32 rows (AVX-512) or their int16 codes
+        self.activations = "float32" if self.vector_path == "AVX-512" else "int16"
+        self.threaded = bool(lib.zq_threaded())  # False: built without OpenMP, one thread
+
+    def reference(self, x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
+                  low: torch.Tensor | None) -> torch.Tensor:
+        """What `linear` computes, in float64 (zipage.kernels.reference): x @ W.T for W = values * scale
+        + low in groups of 32, from x's int16 codes or from x itself as this build does."""
+        from zipage.kernels import reference as ref
+
+        low = low if low is not None else torch.zeros_like(scale)
+        if self.activations == "float32":
+            return ref.grouped_matmul(values, scale, low, x)
+        return ref.grouped_int16_matmul(values, scale, low, *ref.quantize_groups_int16(x))
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 rows [m, k] -> (int16 codes [m, k], scales [m, k/32], quantized group sums [m, k/32])."""
@@ -137,7 +155,8 @@ class NativeLibrary:
         return codes, scale, total
 
     def linear(self, x: torch.Tensor, weight: GroupedWeight, threads: int) -> torch.Tensor:
-        """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside)."""
+        """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside,
+        but for the AVX-512 build: `activations`)."""
         _require_rows(x)
         n, k = weight.shape
         if x.shape[1] != k:
@@ -268,18 +287,34 @@ def _require_rows(x: torch.Tensor) -> None:
 
 
 def instruction_flags() -> list[str]:
-    """AVX2, FMA and F16C where torch itself runs its AVX2 (or AVX-512) kernels, else none: the source's
-    portable loops. Never -march=native, which some VMs advertise beyond what they run."""
-    return ["-mavx2", "-mfma", "-mf16c"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+    """The instructions torch itself runs its kernels with: AVX2, FMA and F16C for its AVX2 capability,
+    and AVX-512 (F, BW, VL, DQ: what torch checks for) beside them for its AVX-512 one; else none, the
+    source's portable loops. Never -march=native, which some VMs advertise beyond what they run."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    avx2 = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    return avx2 + (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"] if capability == "AVX512" else [])
 
 
 def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) -> Path:
     """Compile the source with `compiler` (a name on PATH, or a path) into `cache_dir`, once per source,
-    compiler and flags; the library's path."""
+    compiler and flags; the library's path. A compiler without OpenMP (Apple's clang without libomp)
+    builds it without: one thread (`NativeLibrary.threaded` says so)."""
+    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", *instruction_flags(), *(f"-D{d}" for d in defines)]
+    try:
+        return _build(cache_dir, compiler, ["-fopenmp", *flags])
+    except NativeUnavailable as with_openmp:
+        if shutil.which(compiler) is None:
+            raise
+        try:
+            return _build(cache_dir, compiler, flags)
+        except NativeUnavailable:
+            raise with_openmp from None  # what failed is the source itself: say the first error
+
+
+def _build(cache_dir: Path, compiler: str, flags: list[str]) -> Path:
     found = shutil.which(compiler)
     if found is None:
         raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
-    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", *instruction_flags(), *(f"-D{d}" for d in defines)]
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), found, version, *flags]).encode()).hexdigest()[:16]
     target = cache_dir / f"kernels-{key}.so"
@@ -332,8 +367,7 @@ def disagreement(library: NativeLibrary) -> str | None:
         scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
         got = library.linear(x, pack_weight(values, scale, low, bits), threads=1)
-        want = ref.grouped_int16_matmul(values, scale, low if low is not None else torch.zeros_like(scale),
-                                        *ref.quantize_groups_int16(x))
+        want = library.reference(x, values, scale, low)
         if not close(got, want):
             error = float((got - want).abs().max())
             return f"the native {bits}-bit product disagrees with the reference (max error {error:.3g})"

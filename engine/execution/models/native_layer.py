@@ -14,13 +14,9 @@ import ctypes
 
 import torch
 
+from zipage.engine.execution.models import quantized
 from zipage.engine.execution.models.quantized import NativeWeight
 from zipage.kernels.cpu.native import LayerArgs, NativeLibrary
-
-# Rows a decode step may have for its layers to run as one native call each. Past NATIVE_MAX_ROWS a
-# lone product runs faster on its float16 copy, but the whole layer in one call still wins on the step
-# (docs/benchmarks.md, "Native CPU kernels").
-LAYER_MAX_ROWS = 8
 
 
 class NativeDecodeLayer:
@@ -53,7 +49,7 @@ class NativeDecodeLayer:
     def takes(self, hidden: torch.Tensor, batch) -> bool:
         """A decode-only step of at most LAYER_MAX_ROWS float32 rows over a float32 cache."""
         attn = self.layer.self_attn
-        return (not batch.is_prefill and not batch.num_decode and hidden.shape[0] <= LAYER_MAX_ROWS
+        return (not batch.is_prefill and not batch.num_decode and hidden.shape[0] <= quantized.LAYER_MAX_ROWS
                 and hidden.dtype == torch.float32 and hidden.is_contiguous() and attn.runs_natively(hidden)
                 and not attn.qk_rotation)
 

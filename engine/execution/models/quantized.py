@@ -1,8 +1,10 @@
 """GGUF weights that stay quantized on the CPU (docs/design-notes.md, "Quantized CPU weights").
 
 Q4_0, Q4_1 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits) run on the
-native kernels (`zipage.kernels.cpu`, "integer dots"): activations quantized to int16 per 32 values,
-summed in integer units against the codes as stored, for products of at most NATIVE_MAX_ROWS rows.
+native kernels (`zipage.kernels.cpu`, "integer dots"): the codes as stored times activations quantized
+to int16 per 32 values, summed in integer units (with AVX-512: codes decoded to float32 in registers,
+times the float32 activations), for products of at most NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a
+decode step's layers and the LM head).
 Q4_K (whose scales are no float16 values), or every 4-bit type where no C compiler builds the native
 kernels, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
 and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
@@ -45,13 +47,20 @@ INT4_MAX_ROWS = INT4_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capab
 # rows (11.3 against 13.8 ms) and lost from 5 (14.5 against 13.9; docs/benchmarks.md, "Native CPU
 # kernels"), and so did the 49k-row head (2.2 against 2.8 ms at 4 rows, 3.2 against 3.2 at 6).
 NATIVE_MAX_ROWS = 4
+# A decode step of up to LAYER_MAX_ROWS rows still runs each layer as one native call (fewer Python
+# calls win on the whole step: models/native_layer.py), and the LM head takes integer dots up to the
+# same rows, so that a decode step's tokens come from one form of the weights whether 1 or 8 requests
+# run (docs/design-notes.md, "What output does not depend on, and what it may").
+LAYER_MAX_ROWS = 8
 
 
 def cpu_forms_stamp() -> str:
     """What a quantized file's numbers on the CPU depend on beyond its values: which products run on
     which kernel and the float copies' dtype (a cache of results computed on them keys by it)."""
-    native = "integer dots" if native_kernel()[0] is not None else "no integer dots"
-    return (f"{native} up to {NATIVE_MAX_ROWS} rows, int4 up to {INT4_MAX_ROWS} rows, "
+    library = native_kernel()[0]
+    native = f"integer dots ({library.vector_path})" if library is not None else "no integer dots"
+    return (f"{native} up to {NATIVE_MAX_ROWS} rows ({LAYER_MAX_ROWS} for decode layers and the head), "
+            f"int4 up to {INT4_MAX_ROWS} rows, "
             f"{'float16' if half_product_works() else 'float32'} copies")
 
 
@@ -67,15 +76,16 @@ class NativeWeight(nn.Module):
     """A linear layer's weight as the native kernels hold it (`pack_weight`): y = x @ W.T from int16
     activations and the file's codes. `takes(x)`: whether it should (x has at most NATIVE_MAX_ROWS rows)."""
 
-    def __init__(self, library: NativeLibrary, blocks: torch.Tensor, bits: int):
+    def __init__(self, library: NativeLibrary, blocks: torch.Tensor, bits: int, head: bool = False):
         super().__init__()
         self.library = library
         self.weight = GroupedWeight(blocks, bits)  # checked once; the buffer below is the same tensor
         self.register_buffer("blocks", self.weight.blocks)
+        self.head = head  # the LM head: takes up to LAYER_MAX_ROWS rows, as a decode step's layers do
 
-    @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        return x.shape[0] <= NATIVE_MAX_ROWS  # read at each call: a benchmark may change it
+    def takes(self, x: torch.Tensor) -> bool:
+        # the limits are read at each call: a benchmark may change them
+        return x.shape[0] <= (LAYER_MAX_ROWS if self.head else NATIVE_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.library.linear(x.float().contiguous(), self.weight, torch.get_num_threads())
@@ -230,11 +240,14 @@ class Kernels:
 
     def note(self, report: "WeightReport", types: set[str]) -> None:
         """Say why the weights of these stored types that integer dots would run do not (no compiler, a
-        failed build)."""
+        failed build), or run on one thread (a compiler without OpenMP)."""
         missed = sorted(types & set(NATIVE_TYPES))
         if self.native is None and missed:
             report.notes.add(f"integer dots are unavailable: {self.why_native}; so {' and '.join(missed)} "
                              "weights run on slower kernels")
+        elif self.native is not None and missed and not self.native.threaded:
+            report.notes.add("integer dots run on one thread: the C compiler has no OpenMP (set CC to one "
+                             "that has, e.g. clang with libomp)")
 
 
 FORM_NAMES = {"native": "integer dots", "int4": "int4"}
@@ -395,7 +408,8 @@ def _short_module(kind: str | None, key: str, forms: dict, kernels: Kernels) -> 
         return None
     tensors = [forms[name] for name in _form_keys(key, kind)]
     if kind == "native":
-        return NativeWeight(kernels.native, tensors[0], 4 if tensors[0].shape[2] == group_bytes(4) else 8)
+        bits = 4 if tensors[0].shape[2] == group_bytes(4) else 8
+        return NativeWeight(kernels.native, tensors[0], bits, head=key in (TIED_HEAD, "lm_head.weight"))
     return Int4Weight(*tensors)
 
 
