@@ -1,5 +1,5 @@
 """Random inputs shared by the tests and the benchmark scripts: tiny models saved as Hugging Face
-folders, and shuffled paged KV caches. Nothing here is used when serving."""
+folders or GGUF files, and shuffled paged KV caches. Nothing here is used when serving."""
 
 from __future__ import annotations
 
@@ -61,3 +61,69 @@ def random_paged_cache(lens, block_size: int, kv_heads: int, head_dim: int, gen:
         tables[i, :c] = perm[used:used + c].int()
         used += c
     return k_cache, v_cache, tables
+
+
+def gguf_names(config) -> dict[str, tuple[int, int] | int]:
+    """The GGUF tensors of a model of this (transformers) config: name -> shape (rows, cols) of a
+    matrix, or length of a norm or bias."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    names = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": hidden}
+    if not config.tie_word_embeddings:
+        names["output.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        names.update({f"blk.{i}.attn_q.weight": (q, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                      f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, q),
+                      f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                      f"blk.{i}.ffn_down.weight": (hidden, inter),
+                      f"blk.{i}.attn_norm.weight": hidden, f"blk.{i}.ffn_norm.weight": hidden})
+        if config.model_type == "qwen3":
+            names.update({f"blk.{i}.attn_q_norm.weight": head_dim, f"blk.{i}.attn_k_norm.weight": head_dim})
+        if config.model_type == "qwen2":  # q/k/v biases
+            names.update({f"blk.{i}.attn_q.bias": q, f"blk.{i}.attn_k.bias": kv, f"blk.{i}.attn_v.bias": kv})
+    return names
+
+
+def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embedding: str = "Q8_0") -> str:
+    """A GGUF file of random weights in `qtype` (the embedding in `embedding`; norms around 1) for a
+    model of this config, in a temp file; `only`: these tensors (name -> float32 array) instead."""
+    import tempfile
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    path = tempfile.mkstemp(suffix=".gguf")[1]
+    writer = GGUFWriter(path, arch=config.model_type)
+    rng = np.random.default_rng(seed)
+    tensors = only or {}
+    if only is None:
+        for name, shape in gguf_names(config).items():
+            tensors[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32) if isinstance(shape, int) \
+                else (rng.standard_normal(shape) * 0.15).astype(np.float32)
+    for name, values in tensors.items():
+        kind = embedding if name == "token_embd.weight" else qtype
+        if values.ndim == 1:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType[kind]),
+                              raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_source(config, path: str):
+    """The GGUF file as the engine sees one (a ModelSource with the byte tokenizer): dequantized to
+    float32 unless read quantized."""
+    from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors
+    from zipage.engine.loading.loader import ModelSource
+    from zipage.engine.loading.model_registry import byte_tokenizer
+
+    def dequantized():
+        for name, tensor in read_gguf_tensors(path, config):
+            yield name, tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+    return ModelSource("random-gguf", config, byte_tokenizer(), path, dequantized)
