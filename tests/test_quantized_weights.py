@@ -375,14 +375,15 @@ def test_a_weight_beyond_float16s_range_keeps_its_float32_values(capsys):
 def test_a_decode_steps_tokens_do_not_depend_on_how_many_requests_run_beside_it():
     # Up to LAYER_MAX_ROWS decode rows, the layers and the (tied, Q8_0) LM head all take integer dots,
     # so a request's log-probabilities are the same bits alone as beside five others (six rows: past
-    # NATIVE_MAX_ROWS, where a lone product would take its float16 copy).
+    # NATIVE_MAX_ROWS, where a lone product would take its float16 copy). With AVX-512, products of 4
+    # rows or more are float ones: there the bits agree within 1-3 and within 4-8 requests.
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     source = gguf_source(config, write_gguf(config, "Q4_1", seed=21, embedding="Q8_0"))
     gen = torch.Generator().manual_seed(22)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (11, 17, 8, 25, 13, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
 
-    def run(count: int):
+    def run(count: int) -> tuple:
         core = EngineCore(EngineConfig(model=source.path, device="cpu", compression=False, block_size=16,
                                        num_kv_blocks=64, weight_dtype="auto", mixed_steps=False), source)
         for prompt in prompts[:count]:
@@ -390,9 +391,10 @@ def test_a_decode_steps_tokens_do_not_depend_on_how_many_requests_run_beside_it(
         done = []
         while core.has_work():
             done += [o for o in core.step() if o.finished]
-        return min(done, key=lambda o: o.id)  # the first prompt's request
+        first = min(done, key=lambda o: o.id)  # the first prompt's request
+        return first.token_ids, [(p.logprob, p.top) for p in first.logprobs]
 
-    alone, beside = run(1), run(len(prompts))
-    assert alone.token_ids == beside.token_ids
-    assert [p.logprob for p in alone.logprobs] == [p.logprob for p in beside.logprobs]
-    assert [p.top for p in alone.logprobs] == [p.top for p in beside.logprobs]
+    alone, beside_one, beside_three, beside_five = run(1), run(2), run(4), run(6)
+    assert alone == beside_one and beside_three == beside_five
+    if quantized_module.native_kernel()[0].float_min_rows is None:
+        assert alone == beside_five

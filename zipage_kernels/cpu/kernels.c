@@ -20,10 +20,11 @@
  * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
  * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
  * which give the same integer sums. With AVX-512 the integer sums cost as much as float ones (a
- * multiply, a conversion and a scaled add per group and row), so there a group's 32 weights are decoded
- * once (code * d + lo: exact in float32 but for the add's one rounding) and each row costs two fused
- * multiply-adds a group, from float32 activations. Threads come from the OpenMP runtime torch has
- * already loaded (the same libgomp.so.1), so they are torch's own. */
+ * multiply, a conversion and a scaled add per group and row), so there a product of FLOAT_MIN_ROWS rows
+ * or more decodes a group's 32 weights once (code * d + lo: exact in float32 but for the add's one
+ * rounding) and gives each row two fused multiply-adds a group, from float32 activations; fewer rows,
+ * where the integer dots' cheaper decoding wins, keep them. Threads come from the OpenMP runtime torch
+ * has already loaded (the same libgomp.so.1), so they are torch's own. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +38,7 @@
 #endif
 
 #define GROUP 32
+#define FLOAT_MIN_ROWS 4 /* AVX-512: products of at least this many rows are float ones */
 #define OUT_BLOCK 4 /* outputs that share each activation load */
 #define CODE_MAX 32767.0f /* the activations' largest code */
 
@@ -47,12 +49,21 @@ static inline int64_t group_stride(int bits) {
 
 int zq_group_stride(int bits) { return (int)group_stride(bits); }
 
-/* The products' instructions: 0 the portable loops, 1 AVX2, 2 AVX-512 (float32 products). */
+/* The products' instructions: 0 the portable loops, 1 AVX2, 2 AVX-512 (float products of many rows). */
 int zq_vector_path(void) {
 #if defined(ZQ_AVX512)
     return 2;
 #elif defined(ZQ_AVX2)
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The fewest rows whose products run on decoded float weights; 0: none do (no AVX-512). */
+int zq_float_min_rows(void) {
+#ifdef ZQ_AVX512
+    return FLOAT_MIN_ROWS;
 #else
     return 0;
 #endif
@@ -236,8 +247,10 @@ static inline __attribute__((always_inline)) void matmul(
 /* A row's 32 weights of a group as floats in two registers: code * d + lo (8-bit codes: code * d). */
 static inline void decode_weights(const uint8_t *codes, const int bits, __m512 d, __m512 lo, __m512 w[2]) {
     if (bits == 8) {
-        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), d);
-        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), d);
+        for (int half = 0; half < 2; half++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + 16 * half));
+            w[half] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+        }
         return;
     }
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
@@ -259,9 +272,10 @@ static inline __attribute__((always_inline)) void float_outputs(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = block + g * stride;
         /* the block's four scales and offsets, each output's then broadcast from these registers */
-        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
-        const __m512 lo4 = bits == 4 ? _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2))))
-                                     : _mm512_setzero_ps();
+        const __m128i d_halves = _mm_loadl_epi64((const __m128i *)group);
+        const __m128i lo_halves = bits == 4 ? _mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)) : _mm_setzero_si128();
+        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(d_halves));
+        const __m512 lo4 = _mm512_castps128_ps512(_mm_cvtph_ps(lo_halves));
         for (int j = 0; j < outs; j++) {
             const __m512i which = _mm512_set1_epi32(j0 + j);
             __m512 w[2];
@@ -300,18 +314,20 @@ static inline __attribute__((always_inline)) void float_matmul(
 }
 #endif
 
-/* y[m x n] = x @ W.T: with AVX-512 from the float rows themselves; else x (m x k floats) quantized
- * into scratch memory, then the integer products. Returns 0, or -1 where the scratch memory could not
- * be had (y is then untouched). */
+/* y[m x n] = x @ W.T: with AVX-512 and at least FLOAT_MIN_ROWS rows from the float rows themselves;
+ * else x (m x k floats) quantized into scratch memory, then the integer products. Returns 0, or -1
+ * where the scratch memory could not be had (y is then untouched). */
 int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
               int threads) {
 #ifdef ZQ_AVX512
-    if (bits == 4)
-        float_matmul(weight, 4, n, k, x, m, y, threads);
-    else
-        float_matmul(weight, 8, n, k, x, m, y, threads);
-    return 0;
-#else
+    if (m >= FLOAT_MIN_ROWS) {
+        if (bits == 4)
+            float_matmul(weight, 4, n, k, x, m, y, threads);
+        else
+            float_matmul(weight, 8, n, k, x, m, y, threads);
+        return 0;
+    }
+#endif
     const int64_t groups = m * (k / GROUP);
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(2 * groups));
@@ -328,7 +344,27 @@ int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float
     free(xq);
     free(xs);
     return 0;
-#endif
+}
+
+/* e^x in plain arithmetic, so that the compiler vectorizes the loops around it (libm's expf is one
+ * call a value: most of a SiLU's time). x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is
+ * exact), e^r by Cephes' polynomial, 2^n from the exponent bits: within 2 ulp of expf over [-87, 88];
+ * 0 below -87.3 (e^-inf is 0, as the softmax's masked scores need), and e^88.3 above 88.3. */
+static inline float exp_approx(float x) {
+    const float clamped = x < 88.3f ? (x > -87.3f ? x : -87.3f) : 88.3f;
+    const float n = nearbyintf(clamped * 1.44269504f);
+    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    const float er = poly * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float power;
+    memcpy(&power, &bits, sizeof power);
+    return x > -87.3f ? er * power : 0.0f;
 }
 
 /* a . b over n floats, in eight lanes (which the compiler vectorizes), then those in order. */
@@ -378,6 +414,7 @@ static void attend_head(const float *qh, const float *k_base, const float *v_bas
             top = scores[t] > top ? scores[t] : top;
         }
     }
+    for (int64_t t = 0; t < length; t++) scores[t] = exp_approx(scores[t] - top); /* holes: e^-inf = 0 */
     for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
     float total = 0.0f;
     for (int64_t i = 0, t = 0; t < length; i++) {
@@ -388,7 +425,7 @@ static void attend_head(const float *qh, const float *k_base, const float *v_bas
         }
         const float *v = v_base + table[i] * block_size * entry;
         for (int64_t e = 0; e < count; e++, t++) {
-            const float p = expf(scores[t] - top);
+            const float p = scores[t];
             total += p;
             for (int64_t j = 0; j < d; j++) o[j] += p * v[e * entry + j];
         }
@@ -447,7 +484,7 @@ void zq_silu_and_mul(const float *x, int64_t m, int64_t n, float *out) {
     for (int64_t r = 0; r < m; r++) {
         const float *gate = x + r * 2 * n, *up = gate + n;
         float *o = out + r * n;
-        for (int64_t j = 0; j < n; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        for (int64_t j = 0; j < n; j++) o[j] = gate[j] / (1.0f + exp_approx(-gate[j])) * up[j];
     }
 }
 

@@ -129,19 +129,21 @@ class NativeLibrary:
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
         self._lib = lib
         self.path = path
+        lib.zq_float_min_rows.restype = ctypes.c_int
         self.vector_path = VECTOR_PATHS[lib.zq_vector_path()]
-        # what the products multiply the weights' codes by: float32 rows (AVX-512) or their int16 codes
-        self.activations = "float32" if self.vector_path == "AVX-512" else "int16"
+        # products of at least this many rows multiply decoded float weights by the float rows (AVX-512);
+        # shorter ones (all, where None) the codes by the rows' int16 codes
+        self.float_min_rows = lib.zq_float_min_rows() or None
         self.threaded = bool(lib.zq_threaded())  # False: built without OpenMP, one thread
 
     def reference(self, x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
                   low: torch.Tensor | None) -> torch.Tensor:
         """What `linear` computes, in float64 (zipage.kernels.reference): x @ W.T for W = values * scale
-        + low in groups of 32, from x's int16 codes or from x itself as this build does."""
+        + low in groups of 32, from x's int16 codes or from x itself (`float_min_rows`)."""
         from zipage.kernels import reference as ref
 
         low = low if low is not None else torch.zeros_like(scale)
-        if self.activations == "float32":
+        if self.float_min_rows is not None and x.shape[0] >= self.float_min_rows:
             return ref.grouped_matmul(values, scale, low, x)
         return ref.grouped_int16_matmul(values, scale, low, *ref.quantize_groups_int16(x))
 
@@ -156,7 +158,7 @@ class NativeLibrary:
 
     def linear(self, x: torch.Tensor, weight: GroupedWeight, threads: int) -> torch.Tensor:
         """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside,
-        but for the AVX-512 build: `activations`)."""
+        but for AVX-512 products of `float_min_rows` rows or more)."""
         _require_rows(x)
         n, k = weight.shape
         if x.shape[1] != k:
@@ -299,7 +301,10 @@ def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) 
     """Compile the source with `compiler` (a name on PATH, or a path) into `cache_dir`, once per source,
     compiler and flags; the library's path. A compiler without OpenMP (Apple's clang without libomp)
     builds it without: one thread (`NativeLibrary.threaded` says so)."""
-    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", *instruction_flags(), *(f"-D{d}" for d in defines)]
+    # no FP traps or errno from libm: lets the compiler vectorize loops with comparisons and inline
+    # sqrtf, with the same IEEE results
+    flags = ["-O3", "-std=gnu11", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC", *instruction_flags(),
+             *(f"-D{d}" for d in defines)]
     try:
         return _build(cache_dir, compiler, ["-fopenmp", *flags])
     except NativeUnavailable as with_openmp:
@@ -366,11 +371,12 @@ def disagreement(library: NativeLibrary) -> str | None:
         values = torch.randint(low_code, high_code, (8, 64), generator=gen)
         scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
-        got = library.linear(x, pack_weight(values, scale, low, bits), threads=1)
-        want = library.reference(x, values, scale, low)
-        if not close(got, want):
-            error = float((got - want).abs().max())
-            return f"the native {bits}-bit product disagrees with the reference (max error {error:.3g})"
+        for rows in (x[:1], torch.cat([x, x])):  # one row, and six: both kinds of AVX-512 product
+            got = library.linear(rows, pack_weight(values, scale, low, bits), threads=1)
+            want = library.reference(rows, values, scale, low)
+            if not close(got, want):
+                error = float((got - want).abs().max())
+                return f"the native {bits}-bit product disagrees with the reference (max error {error:.3g})"
     weight, residual = torch.rand(64, generator=gen) + 0.5, torch.randn(3, 64, generator=gen)
     if not close(library.rms_norm(x, weight, 1e-6, residual)[0], ref.add_rms_norm(x, residual, weight, 1e-6)[0]):
         return "the native RMSNorm disagrees with the reference"

@@ -46,6 +46,7 @@ class ForwardBatch:
         # from step to step, and Triton compiles a variant per alignment.
         self.chunk_cu_seqlens = self.chunk_block_tables = self.chunk_context_lens = None
         self._decode_reads: dict | None = None
+        self._native_tables: tuple | None = None
         if self.num_decode:
             nd = self.num_decode
             self.chunk_cu_seqlens = self.cu_seqlens_q[nd:] - nd
@@ -63,6 +64,19 @@ class ForwardBatch:
             self._decode_reads = {"reads": kernels.decode_reads(self.block_tables[:rows], self.context_lens[:rows],
                                                                 k_cache.shape[1], dtype)}
         return self._decode_reads
+
+
+    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(slots int64, block tables int32, context lengths int32, query slots int64 or None) as the
+        native CPU library reads them, contiguous, made once per forward for all its layers."""
+        if self._native_tables is None:
+            query_slots = None
+            if self.query_slot_mapping is not None and self.query_cache:
+                query_slots = self.query_slot_mapping.to(torch.int64).contiguous()
+            self._native_tables = (self.slot_mapping.to(torch.int64).contiguous(),
+                                   self.block_tables.to(torch.int32).contiguous(),
+                                   self.context_lens.to(torch.int32).contiguous(), query_slots)
+        return self._native_tables
 
 
 class Linear(nn.Linear):

@@ -56,12 +56,8 @@ class NativeDecodeLayer:
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch):
         attn, args = self.layer.self_attn, self.args
         cos, sin = cos_sin
-        slots = batch.slot_mapping.to(torch.int64).contiguous()
-        tables = batch.block_tables.to(torch.int32).contiguous()
-        lengths = batch.context_lens.to(torch.int32).contiguous()
-        store_queries = batch.query_slot_mapping is not None and bool(batch.query_cache)
-        query_cache = batch.query_cache[attn.layer_index] if store_queries else None
-        query_slots = batch.query_slot_mapping.to(torch.int64).contiguous() if store_queries else None
+        slots, tables, lengths, query_slots = batch.native_tables()
+        query_cache = batch.query_cache[attn.layer_index] if query_slots is not None else None
         rows = hidden.shape[0]
         if cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape != (rows, attn.head_dim) or \
                 slots.shape != (rows,) or tables.shape[0] != rows or lengths.shape != (rows,) or \
