@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from zipage.engine.execution.models.quantized import Kernels
+from zipage.engine.execution.models.quantized import Kernels, WeightReport
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
 from zipage.kernels.cpu.native import GroupedWeight, NativeLibrary, NativeUnavailable, build, disagreement, pack_weight
 from zipage.kernels.reference import (add_rms_norm, paged_decode_attention,
@@ -262,6 +262,10 @@ def test_a_compiler_without_openmp_builds_a_one_thread_library(tmp_path):
     x, (values, scale, low) = torch.randn(3, 64), random_weight(8, 64, 4, torch.Generator().manual_seed(5))
     weight = pack_weight(values, scale, low, 4)
     assert torch.equal(lib.linear(x, weight, threads=2), lib.linear(x, weight, threads=1))
+    report = WeightReport()  # and the weight report says why its products run on one thread
+    Kernels(native=lib, int4=True).note(report, {"Q4_1"})
+    assert report.notes == {"integer dots run on one thread: the C compiler has no OpenMP (set CC to one that has, "
+                            "e.g. clang with libomp)"}
 
 
 def test_a_build_is_kept_once_and_replaces_older_ones(tmp_path):
