@@ -307,8 +307,14 @@ static inline __attribute__((always_inline)) void float_matmul(
             float_outputs(block, bits, n, k, x, first, 0, 2, r, 8, y);
             float_outputs(block, bits, n, k, x, first, 2, 2, r, 8, y);
         }
-        if (m - r >= 4) float_outputs(block, bits, n, k, x, first, 0, 4, r, 4, y), r += 4;
-        if (m - r >= 2) float_outputs(block, bits, n, k, x, first, 0, 4, r, 2, y), r += 2;
+        if (m - r >= 4) {
+            float_outputs(block, bits, n, k, x, first, 0, 4, r, 4, y);
+            r += 4;
+        }
+        if (m - r >= 2) {
+            float_outputs(block, bits, n, k, x, first, 0, 4, r, 2, y);
+            r += 2;
+        }
         if (m - r >= 1) float_outputs(block, bits, n, k, x, first, 0, 4, r, 1, y);
     }
 }
