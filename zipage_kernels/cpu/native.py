@@ -300,38 +300,43 @@ def instruction_flags() -> list[str]:
 def build(cache_dir: Path, compiler: str = "cc", defines: tuple[str, ...] = ()) -> Path:
     """Compile the source with `compiler` (a name on PATH, or a path) into `cache_dir`, once per source,
     compiler and flags; the library's path. A compiler without OpenMP (Apple's clang without libomp)
-    builds it without: one thread (`NativeLibrary.threaded` says so)."""
-    # no FP traps or errno from libm: lets the compiler vectorize loops with comparisons and inline
-    # sqrtf, with the same IEEE results
-    flags = ["-O3", "-std=gnu11", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC", *instruction_flags(),
-             *(f"-D{d}" for d in defines)]
-    try:
-        return _build(cache_dir, compiler, ["-fopenmp", *flags])
-    except NativeUnavailable as with_openmp:
-        if shutil.which(compiler) is None:
-            raise
-        try:
-            return _build(cache_dir, compiler, flags)
-        except NativeUnavailable:
-            raise with_openmp from None  # what failed is the source itself: say the first error
-
-
-def _build(cache_dir: Path, compiler: str, flags: list[str]) -> Path:
+    builds it without: one thread (`NativeLibrary.threaded` says so), kept until the folder is cleared."""
     found = shutil.which(compiler)
     if found is None:
         raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
     version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), found, version, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir / f"kernels-{key}.so"
-    if target.exists():
-        return target
+    # no FP traps or errno from libm: lets the compiler vectorize loops with comparisons and inline
+    # sqrtf, with the same IEEE results
+    flags = ["-O3", "-std=gnu11", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC", *instruction_flags(),
+             *(f"-D{d}" for d in defines)]
+    with_openmp = ["-fopenmp", *flags]
+    threaded, one_thread = _target(cache_dir, found, version, with_openmp), _target(cache_dir, found, version, flags)
+    for target in (threaded, one_thread):
+        if target.exists():  # built before: no compiler run at start-up, not even a failing one
+            return target
+    try:
+        return _compile(cache_dir, found, with_openmp, threaded)
+    except NativeUnavailable as openmp_failed:
+        try:
+            return _compile(cache_dir, found, flags, one_thread)
+        except NativeUnavailable:
+            raise openmp_failed from None  # what failed is the source itself: say the first error
+
+
+def _target(cache_dir: Path, compiler: str, version: str, flags: list[str]) -> Path:
+    """Where the library built from this source by this compiler with these flags lives."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags]).encode()).hexdigest()[:16]
+    return cache_dir / f"kernels-{key}.so"
+
+
+def _compile(cache_dir: Path, compiler: str, flags: list[str], target: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, scratch = tempfile.mkstemp(dir=cache_dir, prefix=".building-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([found, *flags, str(SOURCE), "-o", scratch], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", scratch], capture_output=True, text=True)
         if done.returncode != 0:
-            raise NativeUnavailable(f"{found} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise NativeUnavailable(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
         os.replace(scratch, target)
         for stale in cache_dir.glob("kernels-*.so"):  # builds of older sources or other compilers
             if stale != target:
