@@ -36,11 +36,12 @@ def smollm2_config():
 def choose_form(form: str) -> None:
     """Make this process run `form` in place of what the engine would pick (see the docstring)."""
     from zipage.engine.execution.models import quantized
-    from zipage.kernels.cpu import native
+    from zipage.engine.loading.loader import c_compiler, cache_dir
+    from zipage.kernels.cpu.native import NativeLibrary, build
 
-    if form == "avx2":
-        flags = native.instruction_flags
-        native.instruction_flags = lambda: [f for f in flags() if not f.startswith("-mavx512")]
+    if form == "avx2":  # the same source without its AVX-512 products, as benchmarks/cpu_int4_kernel.py builds it
+        library = NativeLibrary(build(cache_dir() / "native-avx2", c_compiler(), defines=("ZQ_NO_AVX512",)))
+        quantized.native_kernel = lambda: (library, None)
     elif form == "int4":
         quantized.native_kernel = lambda: (None, "switched off by the benchmark")
 
