@@ -141,7 +141,10 @@ def test_elastic_server_compresses_to_each_floor_when_the_pool_is_short(tmp_path
                 snapshot = server.snapshot()
                 rows = [r for r in snapshot["requests"] if r["id"] in floors]
                 assert len(rows) == 4, "a stream ended before the pool ran short"
-                return snapshot if {r["id"] for r in rows if r["compressed_for"] == "pool"} == set(floors) else None
+                # compressed_for is set when a compression is planned, the totals and events when it lands
+                planned = {r["id"] for r in rows if r["compressed_for"] == "pool"}
+                landed = {i for i in floors if any(c["reason"] == "pool" for c in compressions_of(snapshot, i))}
+                return snapshot if planned == landed == set(floors) else None
 
             snapshot = wait_for(squeezed_by_the_pool, what="a pool compression of every stream")
         assert {r["id"]: r["kv_budget"] for r in snapshot["requests"] if r["id"] in floors} == floors
