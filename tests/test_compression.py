@@ -766,11 +766,13 @@ def test_abort_while_compression_in_flight_frees_every_block(model_path, shared_
     victim = engine.add_request(victim_prompt, greedy(50))
     rest.append(engine.add_request(others[1], greedy(80)))
     steps = 0
-    while not spy.started.is_set():
+    while victim.id not in engine.jobs:
         engine.step()
         check_step(engine)
         steps += 1
         assert steps < 50
+    # The worker thread enters execute on its own schedule, not within a number of engine steps.
+    assert spy.started.wait(timeout=30), "the victim's compression never started"
     job = engine.jobs[victim.id]
     assert job.seq is victim and victim.status is Status.COMPRESSING
     shared = set(victim.block_table[:3]) if shared_prefix else set()

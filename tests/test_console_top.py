@@ -34,6 +34,8 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
         async with app.run_test(size=(150, 45)) as pilot:
             await pilot.pause(0.5)
             assert engine.paused
+            # The load thread submits on its own schedule: wait for its three requests, not for a time.
+            await wait_for(pilot, lambda: app.load.submitted == 3, what="the load to be queued")
             idle_step = engine.snapshot(fresh=True).step
             await pilot.pause(0.5)
             assert engine.snapshot(fresh=True).step == idle_step, "paused: no step without a key press"
@@ -86,8 +88,8 @@ def test_teaching_mode_runs_exactly_one_step_per_key_press(engine):
             await pilot.press("t")  # run freely again
             assert not engine.paused
             running_from = engine.snapshot(fresh=True).step
-            await pilot.pause(0.5)
-            assert engine.snapshot(fresh=True).step > running_from
+            await wait_for(pilot, lambda: engine.snapshot(fresh=True).step > running_from,
+                           what="a step without a key press")
 
     asyncio.run(run())
 
