@@ -16,11 +16,11 @@ from gguf import GGMLQuantizationType, quants
 from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 import zipage.engine.execution.models.quantized as quantized_module
-from zipage.engine.execution.models.quantized import Int4Weight, NativeWeight, QuantizedEmbedding, QuantizedWeights
+from zipage.engine.execution.models.quantized import Int4Weight, Kernels, NativeWeight, QuantizedEmbedding, QuantizedWeights
 from zipage.engine.execution.models.quantized import INT4_MAX_ROWS, NATIVE_MAX_ROWS, pack_int4
 from zipage.engine.execution.models.decoder import Linear
 from zipage.engine.cpu_products import HalfWeight, half_product_works
-from zipage.engine.loading.gguf_tensors import QuantizedTensor, read_gguf_tensors, tensor_index
+from zipage.engine.loading.gguf_tensors import GroupedCodes, QuantizedTensor, read_gguf_tensors, tensor_index
 from zipage.engine.loading.loader import ModelSource, _converted_dir, cpu_weight_forms
 from zipage.engine.loading.model_registry import RANDOM_PRESETS
 from zipage.testing import gguf_names, gguf_source, write_gguf
@@ -51,7 +51,7 @@ def weights(rows: int, cols: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0"])
 def test_the_group_decoders_give_exactly_what_the_gguf_package_dequantizes(qtype):
     tensor = quantized(weights(48, 512, seed=1), qtype)
     want = quants.dequantize(tensor.blocks, GGMLQuantizationType[qtype])
@@ -196,16 +196,56 @@ def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family,
     assert 20 in copy_rows and min(copy_rows) > limit
 
 
+def test_q4_k_takes_integer_dots_on_its_scales_rounded_to_float16():
+    tensor = quantized(weights(64, 512, seed=11), "Q4_K")
+    forms = QuantizedWeights.forms({"w": ("native", {None: tensor})})
+    native = NativeWeight(Kernels.here().native, forms["w.blocks"], 4)
+    groups = tensor.groups()
+    rounded = GroupedCodes(groups.codes, groups.scale.half().float(), groups.low.half().float())
+    assert not torch.equal(rounded.scale, groups.scale)  # d times a 6-bit sub-scale: no float16 values
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
+    got = native(x).double()
+    for values, tolerance in ((rounded.dequantize(), 2e-4), (tensor.dequantize(), 2e-3)):
+        want = x.double() @ values.double().T
+        # int16 activations: within ~1e-4 of the rounded weights' product, and float16 scales within
+        # 2**-11 of the file's
+        assert (got - want).norm() / want.norm() < tolerance
+
+
+@needs_fbgemm
+def test_a_q4_k_m_mix_of_q5_0_and_q8_0_runs_fused_on_integer_dots(capsys):
+    """llama.cpp's Q4_K_M files keep most tensors of a model whose widths are no multiple of 256 in
+    Q5_0 and attn_v in Q8_0: the fused q/k/v runs on integer dots, every code an 8-bit one, and every
+    layer in one native call."""
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    layers = config.num_hidden_layers
+    mixed = {f"blk.{i}.attn_v.weight": "Q8_0" for i in range(layers)}
+    source = gguf_source(config, write_gguf(config, "Q5_0", seed=12, types=mixed))
+    quant, plain = engine(source, "auto"), engine(source, "float32")
+    forms = quant.runner.model.weight_report.forms
+    assert forms["Q5_0+Q8_0 -> integer dots / float16"] == layers
+    assert forms["Q5_0 -> integer dots / float16"] == 3 * layers + (0 if config.tie_word_embeddings else 1)
+    assert capsys.readouterr().err == ""  # nothing fell back
+    assert all(layer.native is not None for layer in quant.runner.model.model.layers)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(2):
+        prompt = torch.randint(0, 256, (12,), generator=gen).tolist()
+        out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
+        judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
+        # Q5_0's codes taken exactly, int16 activations: within 0.1 nats of the float32 model
+        assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+
+
 @needs_fbgemm
 def test_a_type_no_kernel_runs_on_its_float16_copy_and_said_so(capsys):
     config = RANDOM_PRESETS["llama-tiny"].make_config()
-    source = gguf_source(config, write_gguf(config, "Q5_0", seed=9))
+    source = gguf_source(config, write_gguf(config, "Q5_1", seed=9))
     core = engine(source, "auto")
-    assert core.runner.model.weight_report.forms["Q5_0 -> float16"] == 4 * config.num_hidden_layers + 1
-    assert "Q5_0 weights run as float16 on the CPU: no CPU kernel for Q5_0 blocks" in capsys.readouterr().err
+    assert core.runner.model.weight_report.forms["Q5_1 -> float16"] == 4 * config.num_hidden_layers + 1
+    assert "Q5_1 weights run as float16 on the CPU: no CPU kernel for Q5_1 blocks" in capsys.readouterr().err
     prompt = list(range(30))
     mine, ref = prompt_logprobs(core, prompt), prompt_logprobs(engine(source, "float32"), prompt)
-    # float16 holds Q5_0's values within 2**-11 of themselves
+    # float16 holds Q5_1's values within 2**-11 of themselves
     assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=HALF_LOGPROB_TOLERANCE)
 
 

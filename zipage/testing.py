@@ -85,9 +85,11 @@ def gguf_names(config) -> dict[str, tuple[int, int] | int]:
     return names
 
 
-def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embedding: str = "Q8_0") -> str:
-    """A GGUF file of random weights in `qtype` (the embedding in `embedding`; norms around 1) for a
-    model of this config, in a temp file; `only`: these tensors (name -> float32 array) instead."""
+def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embedding: str = "Q8_0",
+               types: dict[str, str] | None = None) -> str:
+    """A GGUF file of random weights in `qtype` (the embedding in `embedding`, the tensors `types` names
+    in theirs; norms around 1) for a model of this config, in a temp file; `only`: these tensors
+    (name -> float32 array) instead."""
     import tempfile
 
     import numpy as np
@@ -102,7 +104,7 @@ def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embeddin
             tensors[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32) if isinstance(shape, int) \
                 else (rng.standard_normal(shape) * 0.15).astype(np.float32)
     for name, values in tensors.items():
-        kind = embedding if name == "token_embd.weight" else qtype
+        kind = (types or {}).get(name, embedding if name == "token_embd.weight" else qtype)
         if values.ndim == 1:
             writer.add_tensor(name, values)
         else:

@@ -4,8 +4,8 @@
 loader, but every quantized tensor comes as a `QuantizedTensor` (its raw block bytes, row by
 row) for the CPU's quantized kernels (docs/design-notes.md, "Quantized CPU weights").
 `QuantizedTensor.groups()` decodes the block layouts that are groups of 32 integer codes with
-one scale and one offset each (w = code * scale + low): Q4_0, Q4_1, Q4_K and Q8_0. Every other
-type is only dequantized.
+one scale and one offset each (w = code * scale + low): Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0. Every
+other type is only dequantized.
 """
 
 from __future__ import annotations
@@ -24,11 +24,15 @@ if TYPE_CHECKING:  # torch loads only to read weights: `zipage models` reads hea
 
 GROUP = 32  # values per scale in every type `groups()` decodes
 FLOAT_TYPES = ("F32", "F16", "BF16")
-GROUPED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+GROUPED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15
-# The types whose groups the CPU's integer dots take as stored: 32 codes with a float16 scale (and a
-# float16 offset for 4 bits). Q4_K's scales are products of two numbers, not float16 values.
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# The types the CPU's integer dots take, by the width of their codes there: groups of 32 codes with a
+# float16 scale (and a float16 offset for 4 bits). Q5_0's codes, -16..15, are 8-bit ones, exactly.
+NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q8_0": 8}
+NATIVE_TYPES = tuple(NATIVE_BITS)
+# Q4_K's scales and offsets are products (a float16 times a 6-bit integer), so its integer dots hold
+# them rounded to float16, as the float16 copy holds every value (docs/design-notes.md).
+HALF_ROUNDED_TYPES = ("Q4_K",)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class QuantizedTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
     def groups(self) -> GroupedCodes:
-        """The codes, scales and offsets of a Q4_0, Q4_1, Q4_K or Q8_0 tensor (ValueError otherwise)."""
+        """The codes, scales and offsets of a tensor of a GROUPED_TYPES type (ValueError otherwise)."""
         import torch
 
         if self.qtype not in GROUPED_TYPES:
@@ -107,6 +111,16 @@ def _q8_0(raw, rows):
     return blocks[..., 2:].copy().view(np.int8), d, np.zeros_like(d)
 
 
+def _q5_0(raw, rows):
+    # fp16 d, 32 high bits (bit j: value j's fifth bit), 16 bytes of low nibbles; w = (q - 16) * d
+    blocks = raw.reshape(rows, -1, 22)
+    d = _half(blocks, 0)
+    high = blocks[..., 2:6].copy().view("<u4")  # [rows, blocks, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    codes = (_nibbles(blocks[..., 6:]) | fifth).astype(np.int16) - 16
+    return codes.astype(np.int8), d, np.zeros_like(d)
+
+
 def _q4_k(raw, rows):
     from gguf.quants import Q4_K
 
@@ -120,7 +134,7 @@ def _q4_k(raw, rows):
     return codes, (d * sc.astype(np.float32)).reshape(rows, -1), -(dmin * mins.astype(np.float32)).reshape(rows, -1)
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_0": _q5_0}
 
 
 def read_gguf_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -1,12 +1,14 @@
 """GGUF weights that stay quantized on the CPU (docs/design-notes.md, "Quantized CPU weights").
 
-Q4_0, Q4_1 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits) run on the
-native kernels (`zipage.kernels.cpu`, "integer dots"): the codes as stored times activations quantized
+Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits;
+Q5_0's codes as 8-bit ones, Q4_K's scales rounded to float16) run on the native kernels
+(`zipage.kernels.cpu`, "integer dots"): the codes as stored times activations quantized
 to int16 per 32 values, summed in integer units (with AVX-512: codes decoded to float32 in registers,
 times the float32 activations), for products of at most NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a
-decode step's layers and the LM head).
-Q4_K (whose scales are no float16 values), or every 4-bit type where no C compiler builds the native
-kernels, runs on PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations
+decode step's layers and the LM head). Fused parts (q/k/v, gate/up) of different types run fused where
+their codes are of one width (Q5_0 beside Q8_0, as llama.cpp's Q4_K_M files mix them). Where no C
+compiler builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
+`_weight_int4pack_mm_for_cpu`, with bf16 activations
 and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
 a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
@@ -27,8 +29,8 @@ import torch
 from torch import nn
 
 from zipage.engine.cpu_products import HalfWeight, fits_float16, half_product_works
-from zipage.engine.loading.gguf_tensors import (FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, NATIVE_TYPES, GroupedCodes,
-                                                QuantizedTensor)
+from zipage.engine.loading.gguf_tensors import (FOUR_BIT_TYPES, GROUP, GROUPED_TYPES, HALF_ROUNDED_TYPES, NATIVE_BITS,
+                                                NATIVE_TYPES, GroupedCodes, QuantizedTensor)
 from zipage.engine.loading.loader import c_compiler, cache_dir
 from zipage.kernels.cpu.native import OUT_BLOCK, GroupedWeight, NativeLibrary, NativeUnavailable, native_library
 from zipage.kernels.cpu.native import group_bytes, pack_weight
@@ -216,26 +218,28 @@ class Kernels:
     def short_form(self, types: set[str], rows: int) -> tuple[str | None, str | None]:
         """For a weight of `rows` output rows stored in these types: "native", "int4" or None, and when
         None why no quantized kernel runs it."""
-        if len(types) > 1:
+        # Fused parts (q/k/v, gate/up) run as one weight: their types must share a kernel's layout.
+        native_bits = {NATIVE_BITS.get(t) for t in types}
+        if len(types) > 1 and (None in native_bits or len(native_bits) > 1):
             return None, "the fused parts are stored in different types"
-        (qtype,) = types
+        qtype = "+".join(sorted(types))
         reasons = []
-        if qtype in NATIVE_TYPES:
+        if len(native_bits) == 1 and None not in native_bits:
             if self.native is None:
                 reasons.append("no integer dots here")
             elif rows % OUT_BLOCK:
                 reasons.append(f"integer dots need a multiple of {OUT_BLOCK} output rows, not {rows}")
             else:
                 return "native", None
-        if qtype in FOUR_BIT_TYPES:
+        if types <= set(FOUR_BIT_TYPES):
             if not self.int4:
                 reasons.append("this torch has no working int4 CPU kernel")
             elif rows % 16:
                 reasons.append(f"the int4 kernel needs a multiple of 16 output rows, not {rows}")
             else:
                 return "int4", None
-        elif qtype == "Q8_0":
-            reasons.append("PyTorch's int8 kernel takes one scale per row, Q8_0 has one per 32 values")
+        elif types <= {"Q8_0", "Q5_0"}:
+            reasons.append(f"PyTorch's int8 kernel takes one scale per row, {qtype} has one per 32 values")
         return None, "; ".join(reasons) or f"no CPU kernel for {qtype} blocks"
 
     def note(self, report: "WeightReport", types: set[str]) -> None:
@@ -269,7 +273,7 @@ def install_quantized(model, source, map_name) -> WeightReport:
 
 EMBEDDING = "model.embed_tokens.weight"
 TIED_HEAD = "tied_lm_head"  # a tied head's quantized form, packed from the embedding's codes
-CACHE_FORMAT = "zipage quantized forms 2"  # bump when the cached forms change
+CACHE_FORMAT = "zipage quantized forms 3"  # bump when the cached forms change
 
 
 def _form_keys(target: str, kind: str | None) -> list[str]:
@@ -282,10 +286,12 @@ def _form_keys(target: str, kind: str | None) -> list[str]:
     return [f"{target}.{field}" for field in fields]
 
 
-def _native_blocks(groups: GroupedCodes) -> torch.Tensor:
-    """A weight's codes, scales and offsets in the native kernels' layout (8-bit codes have no offset)."""
+def _native_blocks(groups: GroupedCodes, round_to_half: bool) -> torch.Tensor:
+    """A weight's codes, scales and offsets in the native kernels' layout (8-bit codes have no offset);
+    `round_to_half`: scales and offsets that are no float16 values (HALF_ROUNDED_TYPES) are rounded."""
     bits = 8 if groups.codes.dtype == torch.int8 else 4
-    return pack_weight(groups.codes, groups.scale, groups.low if bits == 4 else None, bits).blocks
+    scale, low = (groups.scale.half().float(), groups.low.half().float()) if round_to_half else (groups.scale, groups.low)
+    return pack_weight(groups.codes, scale, low if bits == 4 else None, bits).blocks
 
 
 class QuantizedWeights:
@@ -352,7 +358,8 @@ class QuantizedWeights:
             if key == EMBEDDING:
                 values = (groups.codes, groups.scale, groups.low)
             else:
-                values = (_native_blocks(groups),) if kind == "native" else pack_int4(groups)
+                rounded = any(t.qtype in HALF_ROUNDED_TYPES for t in parts.values())
+                values = (_native_blocks(groups, rounded),) if kind == "native" else pack_int4(groups)
             forms.update(zip(_form_keys(key, kind), values))
         return forms
 
