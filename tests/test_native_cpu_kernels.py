@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from zipage.engine.execution.models.quantized import Kernels, WeightReport
-from zipage.engine.loading.gguf_tensors import QuantizedTensor
+from zipage.engine.loading.gguf_tensors import NATIVE_BITS, QuantizedTensor
 from zipage.kernels.cpu.native import GroupedWeight, NativeLibrary, NativeUnavailable, build, disagreement, pack_weight
 from zipage.kernels.reference import (add_rms_norm, paged_decode_attention,
                                      qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
@@ -35,16 +35,19 @@ def products(request, tmp_path_factory) -> NativeLibrary:
 
 
 def random_weight(n: int, k: int, bits: int, gen: torch.Generator):
-    """(integer codes, float16 scales, float16 offsets or None) of a random grouped weight."""
-    values = torch.randint(0, 16, (n, k), generator=gen) if bits == 4 else torch.randint(-128, 128, (n, k), generator=gen)
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half()
+    """(integer codes, float16 scales, float16 offsets or None) of a random grouped weight (layout 6:
+    Q6_K's codes, a scale per 16 values)."""
+    low_code, high_code = {4: (0, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+    values = torch.randint(low_code, high_code, (n, k), generator=gen)
+    scale = (torch.rand(n, k // (16 if bits == 6 else 32), generator=gen) * 0.02 + 1e-3).half()
     low = (torch.randn(n, k // 32, generator=gen) * 0.05).half() if bits == 4 else None
     return values, scale, low
 
 
 def dequantized(values, scale, low) -> torch.Tensor:
     n, k = values.shape
-    w = values.double().view(n, k // 32, 32) * scale.double()[..., None]
+    group = k // scale.shape[1]
+    w = values.double().view(n, k // group, group) * scale.double()[..., None]
     if low is not None:
         w = w + low.double()[..., None]
     return w.view(n, k)
@@ -63,7 +66,7 @@ def test_activations_quantize_exactly_as_the_reference(products):
     assert int(codes.abs().max()) == 32767 and float(scale[1, 1]) == 0.0
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_the_product_matches_the_reference_for_every_row_pattern(products, bits, rows):
     gen = torch.Generator().manual_seed(10 * bits + rows)
@@ -86,32 +89,39 @@ def test_threads_split_the_outputs_without_changing_a_bit(products):
     assert torch.equal(products.linear(x, weight, threads=1), products.linear(x, weight, threads=2))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(products, bits):
     gen = torch.Generator().manual_seed(6)
     values, scale, low = random_weight(32, 192, bits, gen)
     weight, x = pack_weight(values, scale, low, bits), torch.randn(13, 192, generator=gen)
     few, many = products.linear(x[:3], weight, threads=1), products.linear(x, weight, threads=1)
-    # with AVX-512 a product of 4 rows or more is a float one, of fewer the int16 dots: rows agree
-    # bit for bit within each kind, and across them where there is one kind
+    # with AVX-512 a product of 4 rows or more is a float one (layouts 4 and 8), of fewer the int16
+    # dots: rows agree bit for bit within each kind, and across them where there is one kind
     assert products.float_min_rows in (None, 4)
     for start, stop in ((0, 1), (1, 3), (2, 3)):
         assert torch.equal(products.linear(x[start:stop], weight, threads=1), few[start:stop])
     for start, stop in ((0, 4), (3, 9), (5, 13)):
         assert torch.equal(products.linear(x[start:stop], weight, threads=1), many[start:stop])
-    if products.float_min_rows is None:
+    if products.float_min_rows is None or bits == 6:
         assert torch.equal(few, many[:3])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q6_K"])
 def test_real_gguf_blocks_give_the_dequantized_product(products, qtype):
     rng = np.random.default_rng(4)
-    values = (rng.standard_normal((48, 320)) * 0.05).astype(np.float32)
-    tensor = QuantizedTensor(qtype, (48, 320), quants.quantize(values, GGMLQuantizationType[qtype]))
+    cols = 512 if qtype == "Q6_K" else 320  # K-quants come in super-blocks of 256
+    if qtype == "Q6_K":  # the gguf package cannot quantize to it: random blocks with a sane d
+        blocks = rng.integers(0, 256, (48, cols // 256, 210), dtype=np.uint8)
+        blocks[..., 208:] = np.array([0.002], dtype=np.float16).view(np.uint8)
+        tensor = QuantizedTensor(qtype, (48, cols), blocks.reshape(48, -1))
+    else:
+        values = (rng.standard_normal((48, cols)) * 0.05).astype(np.float32)
+        tensor = QuantizedTensor(qtype, (48, cols), quants.quantize(values, GGMLQuantizationType[qtype]))
     groups = tensor.groups()
-    bits = 8 if qtype == "Q8_0" else 4
-    weight = pack_weight(groups.codes, groups.scale, groups.low if bits == 4 else None, bits)
-    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(5))
+    bits = NATIVE_BITS[qtype]
+    # Q6_K's scales (d times an int8) are rounded to float16, as the engine packs them
+    weight = pack_weight(groups.codes, groups.scale.half().float(), groups.low if bits == 4 else None, bits)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(5))
     want = x.double() @ tensor.dequantize().double().T
     got = products.linear(x, weight, threads=2)
     assert float((got.double() - want).norm() / want.norm()) < 1e-3
@@ -232,6 +242,10 @@ def test_bad_layouts_and_inputs_are_refused(products):
         pack_weight(values, scale, None, 4)
     with pytest.raises(ValueError, match="are not 8-bit groups"):
         GroupedWeight(pack_weight(values, scale, low, 4).blocks, 8)
+    with pytest.raises(ValueError, match="a scale per 16 values"):
+        pack_weight(values, scale, None, 6)
+    with pytest.raises(ValueError, match="no 5-bit layout"):
+        pack_weight(values, scale, None, 5)
     weight = pack_weight(values, scale, low, 4)
     with pytest.raises(ValueError, match="contiguous CPU float32"):
         products.linear(torch.randn(2, 64).double(), weight, threads=1)

@@ -27,20 +27,25 @@ from zipage.testing import gguf_names, gguf_source, write_gguf
 
 
 def quantized(values: np.ndarray, qtype: str) -> QuantizedTensor:
-    """`values` [rows, cols] float32 quantized by the gguf package (Q4_K blocks are built by hand:
-    the package cannot quantize to it)."""
+    """`values` [rows, cols] float32 quantized by the gguf package (K-quant blocks are built by hand:
+    the package cannot quantize to them)."""
     rows, cols = values.shape
-    if qtype == "Q4_K":
-        return q4_k_blocks(rows, cols, np.random.default_rng(rows * cols))
+    if qtype in ("Q4_K", "Q6_K"):
+        return k_quant_blocks(qtype, rows, cols, np.random.default_rng(rows * cols))
     return QuantizedTensor(qtype, (rows, cols), quants.quantize(values, GGMLQuantizationType[qtype]))
 
 
-def q4_k_blocks(rows: int, cols: int, rng) -> QuantizedTensor:
-    """Random Q4_K super-blocks (144 bytes per 256 values) with sane fp16 d and dmin."""
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.array([0.004], dtype=np.float16).view(np.uint8)
-    blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
-    return QuantizedTensor("Q4_K", (rows, cols), blocks.reshape(rows, -1))
+def k_quant_blocks(qtype: str, rows: int, cols: int, rng) -> QuantizedTensor:
+    """Random Q4_K (144 bytes per 256 values: fp16 d and dmin first) or Q6_K (210 bytes: fp16 d last)
+    super-blocks with sane scales."""
+    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    if qtype == "Q4_K":
+        blocks[..., 0:2] = np.array([0.004], dtype=np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    else:
+        blocks[..., 208:210] = np.array([0.0003], dtype=np.float16).view(np.uint8)
+    return QuantizedTensor(qtype, (rows, cols), blocks.reshape(rows, -1))
 
 
 needs_fbgemm = pytest.mark.skipif(not half_product_works(), reason="this torch has no FBGEMM float16 product")
@@ -51,7 +56,7 @@ def weights(rows: int, cols: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"])
 def test_the_group_decoders_give_exactly_what_the_gguf_package_dequantizes(qtype):
     tensor = quantized(weights(48, 512, seed=1), qtype)
     want = quants.dequantize(tensor.blocks, GGMLQuantizationType[qtype])
@@ -71,9 +76,9 @@ def test_the_int4_product_equals_the_dequantized_matmul(qtype, tokens):
     assert (got - want).norm() / want.norm() < 1e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_a_quantized_embedding_looks_up_the_exact_dequantized_rows(qtype):
-    tensor = quantized(weights(64, 96, seed=4), qtype)
+    tensor = quantized(weights(64, 256 if qtype == "Q6_K" else 96, seed=4), qtype)
     ids = torch.tensor([5, 0, 63, 5])
     assert torch.equal(QuantizedEmbedding(tensor.groups(), torch.float32)(ids), tensor.dequantize()[ids])
 
@@ -196,13 +201,14 @@ def test_a_tiny_gguf_runs_quantized_and_agrees_with_its_dequantized_self(family,
     assert 20 in copy_rows and min(copy_rows) > limit
 
 
-def test_q4_k_takes_integer_dots_on_its_scales_rounded_to_float16():
-    tensor = quantized(weights(64, 512, seed=11), "Q4_K")
+@pytest.mark.parametrize("qtype,bits", [("Q4_K", 4), ("Q6_K", 6)])
+def test_k_quants_take_integer_dots_on_their_scales_rounded_to_float16(qtype, bits):
+    tensor = quantized(weights(64, 512, seed=11), qtype)
     forms = QuantizedWeights.forms({"w": ("native", {None: tensor})})
-    native = NativeWeight(Kernels.here().native, forms["w.blocks"], 4)
+    native = NativeWeight(Kernels.here().native, forms["w.blocks"], bits)
     groups = tensor.groups()
     rounded = GroupedCodes(groups.codes, groups.scale.half().float(), groups.low.half().float())
-    assert not torch.equal(rounded.scale, groups.scale)  # d times a 6-bit sub-scale: no float16 values
+    assert not torch.equal(rounded.scale, groups.scale)  # d times an integer sub-scale: no float16 values
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
     got = native(x).double()
     for values, tolerance in ((rounded.dequantize(), 2e-4), (tensor.dequantize(), 2e-3)):

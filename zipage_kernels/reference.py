@@ -556,13 +556,16 @@ def quantize_groups_int16(x: torch.Tensor, group: int = 32) -> tuple[torch.Tenso
 
 def grouped_int16_matmul(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, xq: torch.Tensor,
                         xs: torch.Tensor, xsum: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """x @ W.T in float64, for W = values * scale + low in groups of `group` (values [n, k] integers) and
-    x = xq * xs per group with group sums xsum: sum over groups of scale * xs * (values . xq) + low * xsum."""
+    """x @ W.T in float64, for W = values * scale + low in groups of `group` (values [n, k] integers; scale
+    [n, k / group], or a scale per part of a group: Q6_K's per 16 values) and x = xq * xs per group with
+    group sums xsum: sum over groups of scale * xs * (values . xq) + low * xsum."""
     n, k = values.shape
-    w = values.double().view(n, k // group, group)
-    x = xq.double().view(xq.shape[0], k // group, group)
+    part = k // scale.shape[1]  # values per weight scale
+    w = values.double().view(n, k // part, part)
+    x = xq.double().view(xq.shape[0], k // part, part)
     dots = torch.einsum("ngj,mgj->mng", w, x)  # exact integer sums in float64
-    return (dots * scale.double()[None] * xs.double()[:, None]).sum(-1) + xsum.double() @ low.double().T
+    xs = xs.double().repeat_interleave(group // part, dim=1)
+    return (dots * scale.double()[None] * xs[:, None]).sum(-1) + xsum.double() @ low.double().T
 
 
 def grouped_matmul(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, x: torch.Tensor,

@@ -4,8 +4,8 @@
 loader, but every quantized tensor comes as a `QuantizedTensor` (its raw block bytes, row by
 row) for the CPU's quantized kernels (docs/design-notes.md, "Quantized CPU weights").
 `QuantizedTensor.groups()` decodes the block layouts that are groups of 32 integer codes with
-one scale and one offset each (w = code * scale + low): Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0. Every
-other type is only dequantized.
+one scale and one offset each (w = code * scale + low): Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0, and Q6_K's
+groups of 16 with a scale each. Every other type is only dequantized.
 """
 
 from __future__ import annotations
@@ -24,28 +24,33 @@ if TYPE_CHECKING:  # torch loads only to read weights: `zipage models` reads hea
 
 GROUP = 32  # values per scale in every type `groups()` decodes
 FLOAT_TYPES = ("F32", "F16", "BF16")
-GROUPED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
+GROUPED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15
-# The types the CPU's integer dots take, by the width of their codes there: groups of 32 codes with a
-# float16 scale (and a float16 offset for 4 bits). Q5_0's codes, -16..15, are 8-bit ones, exactly.
-NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q8_0": 8}
+# The types the CPU's integer dots take, by their layout there (zipage.kernels.cpu.native.LAYOUTS):
+# groups of 32 codes with a float16 scale (and a float16 offset for 4 bits). Q5_0's codes, -16..15,
+# are 8-bit ones, exactly; Q6_K's, -32..31, are 8-bit codes with a scale per 16 (layout 6).
+NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q8_0": 8, "Q6_K": 6}
 NATIVE_TYPES = tuple(NATIVE_BITS)
-# Q4_K's scales and offsets are products (a float16 times a 6-bit integer), so its integer dots hold
-# them rounded to float16, as the float16 copy holds every value (docs/design-notes.md).
-HALF_ROUNDED_TYPES = ("Q4_K",)
+# The K-quants' scales and offsets are products (a float16 times a 6- or 8-bit integer), so their
+# integer dots hold them rounded to float16, as the float16 copy holds every value (docs/design-notes.md).
+HALF_ROUNDED_TYPES = ("Q4_K", "Q6_K")
 
 
 @dataclass(frozen=True)
 class GroupedCodes:
-    """A weight as integer codes in groups of 32 along each row: w = codes * scale + low."""
+    """A weight as integer codes in groups of 32 (Q6_K: 16) along each row: w = codes * scale + low."""
 
-    codes: torch.Tensor  # [rows, cols] uint8 (4-bit types, 0..15) or int8 (Q8_0)
-    scale: torch.Tensor  # [rows, cols // 32] float32
-    low: torch.Tensor  # [rows, cols // 32] float32
+    codes: torch.Tensor  # [rows, cols] uint8 (4-bit types, 0..15) or int8 (Q5_0, Q6_K, Q8_0)
+    scale: torch.Tensor  # [rows, cols // group] float32
+    low: torch.Tensor  # [rows, cols // group] float32
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, cols // GROUP, GROUP).float()
+        grouped = self.codes.view(rows, cols // self.group, self.group).float()
         return (grouped * self.scale[..., None] + self.low[..., None]).view(rows, cols)
 
 
@@ -75,9 +80,10 @@ class QuantizedTensor:
         rows, cols = self.shape
         raw = np.ascontiguousarray(self.blocks).reshape(rows, -1)
         codes, scale, low = _DECODERS[self.qtype](raw, rows)
+        group = 16 if self.qtype == "Q6_K" else GROUP
         return GroupedCodes(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))),
-                            torch.from_numpy(scale.reshape(rows, cols // GROUP).astype(np.float32)),
-                            torch.from_numpy(low.reshape(rows, cols // GROUP).astype(np.float32)))
+                            torch.from_numpy(scale.reshape(rows, cols // group).astype(np.float32)),
+                            torch.from_numpy(low.reshape(rows, cols // group).astype(np.float32)))
 
     def take_rows(self, order: np.ndarray) -> "QuantizedTensor":
         """The same tensor with its rows in `order` (a row is whole blocks, so this is exact)."""
@@ -121,6 +127,20 @@ def _q5_0(raw, rows):
     return codes.astype(np.int8), d, np.zeros_like(d)
 
 
+def _q6_k(raw, rows):
+    # Super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
+    # values), fp16 d; w = d * scale * (q - 32). Each half of 128 values takes 64 low bytes (byte l: value
+    # l's nibble low, l + 64's high; byte 32 + l: values 32 + l and 96 + l) and 32 high bytes (byte l:
+    # values l, 32 + l, 64 + l, 96 + l in its bit pairs, lowest first).
+    blocks = raw.reshape(-1, 210)
+    low = blocks[:, :128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1, 1)
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (low & 0x0F).reshape(-1, 2, 4, 32) | ((high & 0x03) << 4)
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+    scale = _half(blocks, 208)[:, None] * blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    return codes, scale.reshape(rows, -1), np.zeros_like(scale).reshape(rows, -1)
+
+
 def _q4_k(raw, rows):
     from gguf.quants import Q4_K
 
@@ -134,7 +154,7 @@ def _q4_k(raw, rows):
     return codes, (d * sc.astype(np.float32)).reshape(rows, -1), -(dmin * mins.astype(np.float32)).reshape(rows, -1)
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_0": _q5_0}
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q6_K": _q6_k}
 
 
 def read_gguf_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -6,16 +6,17 @@
  * cache), each one call where torch runs several.
  *
  * A weight row is groups of 32 codes with one float16 scale d and offset lo each (w = code * d + lo;
- * 8-bit codes, Q8_0's, have no offset). Each row of x is quantized per group like the weight:
+ * 8-bit codes, Q8_0's, have no offset; the 6 layout, Q6_K's, is 8-bit codes with a scale per half
+ * group of 16 and no offset). Each row of x is quantized per group like the weight:
  * x ~= xq * xs with xq in [-32767, 32767], and xsum = xs * sum(xq). Then, per output,
  *     y = sum over groups of d * xs * (codes . xq) + lo * xsum,
  * where codes . xq is an exact integer sum: the dequantized weight times the quantized activations.
  *
  * Layout: the weight's rows go in blocks of OUT_BLOCK, and a block's groups follow one another, each
- * holding the block's OUT_BLOCK float16 scales, then (4-bit codes) their OUT_BLOCK float16 offsets,
- * then each row's codes for the group: 16 bytes for 4 bits (byte j holds code j in its low nibble and
- * code j + 16 in its high one, GGUF's Q4_0/Q4_1 order) or 32 signed bytes for 8. So a block of outputs
- * is one sequential stream of bytes.
+ * holding the block's OUT_BLOCK float16 scales, then (4-bit codes) their OUT_BLOCK float16 offsets or
+ * (6) their second halves' scales, then each row's codes for the group: 16 bytes for 4 bits (byte j
+ * holds code j in its low nibble and code j + 16 in its high one, GGUF's Q4_0/Q4_1 order) or 32 signed
+ * bytes. So a block of outputs is one sequential stream of bytes.
  *
  * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
  * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
@@ -23,7 +24,7 @@
  * multiply, a conversion and a scaled add per group and row), so there a product of FLOAT_MIN_ROWS rows
  * or more decodes a group's 32 weights once (code * d + lo: exact in float32 but for the add's one
  * rounding) and gives each row two fused multiply-adds a group, from float32 activations; fewer rows,
- * where the integer dots' cheaper decoding wins, keep them. Threads come from the OpenMP runtime torch
+ * where the integer dots' cheaper decoding wins, keep them, as the 6 layout does at every row count. Threads come from the OpenMP runtime torch
  * has already loaded (the same libgomp.so.1), so they are torch's own. */
 #include <math.h>
 #include <stdint.h>
@@ -42,10 +43,13 @@
 #define OUT_BLOCK 4 /* outputs that share each activation load */
 #define CODE_MAX 32767.0f /* the activations' largest code */
 
-/* Bytes of one group of a block: scales, offsets (4 bits only), codes. */
-static inline int64_t group_stride(int bits) {
-    return OUT_BLOCK * 2 * (bits == 4 ? 2 : 1) + OUT_BLOCK * GROUP * bits / 8;
-}
+/* Weights come in three layouts, by `bits`: 4-bit codes with a scale and an offset per group; 8-bit
+ * codes with a scale; 6: 8-bit codes with a scale per half group (16 values: Q6_K's). */
+static inline int header_bytes(int bits) { return OUT_BLOCK * 2 * (bits == 8 ? 1 : 2); }
+static inline int code_bytes(int bits) { return GROUP * (bits == 4 ? 4 : 8) / 8; }
+
+/* Bytes of one group of a block: float16 scales (two for 6 bits), offsets (4 bits only), codes. */
+static inline int64_t group_stride(int bits) { return header_bytes(bits) + OUT_BLOCK * code_bytes(bits); }
 
 int zq_group_stride(int bits) { return (int)group_stride(bits); }
 
@@ -134,7 +138,7 @@ static inline float horizontal_sum(__m256 v) {
 
 /* A row's 32 codes for a group as int16, in two registers: 4-bit ones unpacked from their nibbles. */
 static inline void load_codes(const uint8_t *codes, const int bits, __m256i out[2]) {
-    if (bits == 8) {
+    if (bits != 4) {
         out[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes));
         out[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)));
         return;
@@ -152,13 +156,14 @@ static inline __m256 group_products(const __m256i codes[2], const __m256i x[2]) 
 }
 #endif
 
-/* Integer sum of one row's codes for a group times activations (the portable path). */
-static inline int32_t group_sum(const uint8_t *codes, const int bits, const int16_t *x) {
+/* Integer sum of one row's codes for values first .. first + count - 1 of a group times activations
+ * (the portable path). */
+static inline int32_t group_sum(const uint8_t *codes, const int bits, const int16_t *x, int first, int count) {
     int32_t total = 0;
     if (bits == 4) {
         for (int j = 0; j < GROUP / 2; j++) total += (codes[j] & 0x0F) * x[j] + (codes[j] >> 4) * x[j + GROUP / 2];
     } else {
-        for (int j = 0; j < GROUP; j++) total += (int8_t)codes[j] * x[j];
+        for (int j = first; j < first + count; j++) total += (int8_t)codes[j] * x[j];
     }
     return total;
 }
@@ -168,8 +173,8 @@ static inline int32_t group_sum(const uint8_t *codes, const int bits, const int1
 static inline __attribute__((always_inline)) void output_block(
         const uint8_t *block, const int bits, int64_t n, int64_t k, const int16_t *xq, const float *xs,
         const float *xsum, int64_t first, int64_t r, const int rows, float *y) {
-    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = GROUP * bits / 8;
-    const int header = OUT_BLOCK * 2 * (bits == 4 ? 2 : 1);
+    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = code_bytes(bits);
+    const int header = header_bytes(bits);
     float out[2][OUT_BLOCK];
 #ifdef ZQ_AVX2
     __m256 acc[2][OUT_BLOCK];
@@ -181,23 +186,34 @@ static inline __attribute__((always_inline)) void output_block(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = block + g * stride;
         const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group));
-        float scales[2][OUT_BLOCK];
+        float scales[2][OUT_BLOCK], seconds[2][OUT_BLOCK]; /* seconds: 6 bits, the second half's */
         __m256i x[2][2];
         for (int i = 0; i < rows; i++) {
             const int16_t *row = xq + (r + i) * k + g * GROUP;
             x[i][0] = _mm256_loadu_si256((const __m256i *)row);
             x[i][1] = _mm256_loadu_si256((const __m256i *)(row + 16));
-            _mm_storeu_ps(scales[i], _mm_mul_ps(d, _mm_set1_ps(xs[(r + i) * groups + g])));
-            if (bits == 4) {
-                const __m128 lo = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)));
-                offsets[i] = _mm_fmadd_ps(lo, _mm_set1_ps(xsum[(r + i) * groups + g]), offsets[i]);
-            }
+            const __m128 xscale = _mm_set1_ps(xs[(r + i) * groups + g]);
+            _mm_storeu_ps(scales[i], _mm_mul_ps(d, xscale));
+            const __m128 second = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)));
+            if (bits == 4) /* the offsets */
+                offsets[i] = _mm_fmadd_ps(second, _mm_set1_ps(xsum[(r + i) * groups + g]), offsets[i]);
+            if (bits == 6)
+                _mm_storeu_ps(seconds[i], _mm_mul_ps(second, xscale));
         }
         for (int j = 0; j < OUT_BLOCK; j++) {
             __m256i c[2];
             load_codes(group + header + j * row_bytes, bits, c);
-            for (int i = 0; i < rows; i++)
-                acc[i][j] = _mm256_fmadd_ps(group_products(c, x[i]), _mm256_broadcast_ss(&scales[i][j]), acc[i][j]);
+            for (int i = 0; i < rows; i++) {
+                if (bits == 6) { /* each half by its own scale */
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(c[0], x[i][0])),
+                                                _mm256_broadcast_ss(&scales[i][j]), acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(c[1], x[i][1])),
+                                                _mm256_broadcast_ss(&seconds[i][j]), acc[i][j]);
+                } else {
+                    acc[i][j] = _mm256_fmadd_ps(group_products(c, x[i]), _mm256_broadcast_ss(&scales[i][j]),
+                                                acc[i][j]);
+                }
+            }
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -210,15 +226,19 @@ static inline __attribute__((always_inline)) void output_block(
         for (int j = 0; j < OUT_BLOCK; j++) {
             float total = 0.0f, low = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *group = block + g * stride;
-                uint16_t d, lo;
+                const uint8_t *group = block + g * stride, *codes = group + header + j * row_bytes;
+                const int16_t *row = xq + (r + i) * k + g * GROUP;
+                const float xscale = xs[(r + i) * groups + g];
+                uint16_t d, second;
                 memcpy(&d, group + 2 * j, 2);
-                const int32_t sum = group_sum(group + header + j * row_bytes, bits, xq + (r + i) * k + g * GROUP);
-                total += (float)sum * (half_to_float(d) * xs[(r + i) * groups + g]);
-                if (bits == 4) {
-                    memcpy(&lo, group + OUT_BLOCK * 2 + 2 * j, 2);
-                    low += half_to_float(lo) * xsum[(r + i) * groups + g];
+                memcpy(&second, group + OUT_BLOCK * 2 + 2 * j, 2); /* 4 bits: the offset; 6: a scale */
+                if (bits == 6) {
+                    total += (float)group_sum(codes, bits, row, 0, GROUP / 2) * (half_to_float(d) * xscale);
+                    total += (float)group_sum(codes, bits, row, GROUP / 2, GROUP / 2) * (half_to_float(second) * xscale);
+                    continue;
                 }
+                total += (float)group_sum(codes, bits, row, 0, GROUP) * (half_to_float(d) * xscale);
+                if (bits == 4) low += half_to_float(second) * xsum[(r + i) * groups + g];
             }
             out[i][j] = total + low;
         }
@@ -264,8 +284,8 @@ static inline void decode_weights(const uint8_t *codes, const int bits, __m512 d
 static inline __attribute__((always_inline)) void float_outputs(
         const uint8_t *block, const int bits, int64_t n, int64_t k, const float *x, int64_t first, int j0,
         const int outs, int64_t r, const int rows, float *y) {
-    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = GROUP * bits / 8;
-    const int header = OUT_BLOCK * 2 * (bits == 4 ? 2 : 1);
+    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = code_bytes(bits);
+    const int header = header_bytes(bits);
     __m512 acc[8][4];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < outs; j++) acc[i][j] = _mm512_setzero_ps();
@@ -320,13 +340,13 @@ static inline __attribute__((always_inline)) void float_matmul(
 }
 #endif
 
-/* y[m x n] = x @ W.T: with AVX-512 and at least FLOAT_MIN_ROWS rows from the float rows themselves;
- * else x (m x k floats) quantized into scratch memory, then the integer products. Returns 0, or -1
- * where the scratch memory could not be had (y is then untouched). */
+/* y[m x n] = x @ W.T: with AVX-512 and at least FLOAT_MIN_ROWS rows from the float rows themselves
+ * (4- and 8-bit layouts); else x (m x k floats) quantized into scratch memory, then the integer
+ * products. Returns 0, or -1 where the scratch memory could not be had (y is then untouched). */
 int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
               int threads) {
 #ifdef ZQ_AVX512
-    if (m >= FLOAT_MIN_ROWS) {
+    if (m >= FLOAT_MIN_ROWS && bits != 6) {
         if (bits == 4)
             float_matmul(weight, 4, n, k, x, m, y, threads);
         else
@@ -345,6 +365,8 @@ int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float
     zq_quantize_rows(x, m, k, xq, xs, xs + groups);
     if (bits == 4)
         matmul(weight, 4, n, k, xq, xs, xs + groups, m, y, threads);
+    else if (bits == 6)
+        matmul(weight, 6, n, k, xq, xs, xs + groups, m, y, threads);
     else
         matmul(weight, 8, n, k, xq, xs, xs + groups, m, y, threads);
     free(xq);

@@ -37,13 +37,14 @@ class NativeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupedWeight:
-    """A weight [n, k] in the kernel's blocked layout (`pack_weight`): uint8 [n / 4, k / 32, group bytes]."""
+    """A weight [n, k] in the kernel's blocked layout (`pack_weight`): uint8 [n / 4, k / 32, group bytes];
+    `bits` 4 or 8, or 6 for 8-bit codes with a scale per 16 values (LAYOUTS)."""
 
     blocks: torch.Tensor
     bits: int
 
     def __post_init__(self):
-        if self.bits not in (4, 8) or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 3 or \
+        if self.bits not in LAYOUTS or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 3 or \
                 self.blocks.shape[2] != group_bytes(self.bits):
             raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype} are not {self.bits}-bit groups")
         if not self.blocks.is_contiguous() or self.blocks.device.type != "cpu":
@@ -54,18 +55,25 @@ class GroupedWeight:
         return self.blocks.shape[0] * OUT_BLOCK, self.blocks.shape[1] * GROUP
 
 
+LAYOUTS = (4, 6, 8)  # kernels.c's weight layouts, by their `bits`: 6 holds 8-bit codes with two scales a group
+
+
 def group_bytes(bits: int) -> int:
-    """Bytes of one group of a block of OUT_BLOCK rows: float16 scales, float16 offsets (4 bits only), codes."""
-    return OUT_BLOCK * 2 * (2 if bits == 4 else 1) + OUT_BLOCK * GROUP * bits // 8
+    """Bytes of one group of a block of OUT_BLOCK rows: float16 scales (two each for 6), float16 offsets
+    (4 bits only), codes (a byte each for 6 and 8)."""
+    return OUT_BLOCK * 2 * (1 if bits == 8 else 2) + OUT_BLOCK * GROUP * (4 if bits == 4 else 8) // 8
 
 
 def pack_weight(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int) -> GroupedWeight:
     """W = values * scale + low in groups of 32 (values [n, k] integers: 0..15 for 4 bits, -128..127 for 8;
-    scale and low [n, k/32], float16 values; 8-bit codes have no offset) in the kernel's layout."""
+    scale and low [n, k/32], float16 values; 8-bit codes have no offset) in the kernel's layout. For 6,
+    8-bit codes with a scale per 16 values: scale [n, k/16], no offset."""
     n, k = values.shape
     if n % OUT_BLOCK or k % GROUP:
         raise ValueError(f"a {n} x {k} weight is not blocks of {OUT_BLOCK} rows and groups of {GROUP}")
-    if (low is None) != (bits == 8):
+    if bits not in LAYOUTS:
+        raise ValueError(f"no {bits}-bit layout: {LAYOUTS}")
+    if (low is None) != (bits != 4):
         raise ValueError("4-bit codes take an offset per group and 8-bit ones none")
     blocks, groups = n // OUT_BLOCK, k // GROUP
 
@@ -78,7 +86,11 @@ def pack_weight(values: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | N
             raise ValueError("scales and offsets must be float16 values")
         return by_group(exact.contiguous().view(torch.uint8), 2)
 
-    codes = by_group(pack_codes(values, bits).view(torch.uint8), GROUP * bits // 8)
+    codes = by_group(pack_codes(values, bits).view(torch.uint8), GROUP * (4 if bits == 4 else 8) // 8)
+    if bits == 6:  # the first halves' scales where 4 bits keep the scales, the second halves' where the offsets
+        if scale.shape != (n, 2 * groups):
+            raise ValueError(f"the 6 layout takes a scale per 16 values: [{n}, {2 * groups}], not {tuple(scale.shape)}")
+        scale, low = scale[:, 0::2], scale[:, 1::2]
     parts = [halves(scale)] + ([halves(low)] if low is not None else []) + [codes]
     return GroupedWeight(torch.cat(parts, dim=-1).contiguous(), bits)
 
@@ -125,7 +137,7 @@ class NativeLibrary:
         lib.zq_decode_layer.argtypes = [ctypes.POINTER(LayerArgs), ptr, ptr, ptr, ptr]
         lib.zq_decode_layer.restype = ctypes.c_int
         lib.zq_group_stride.argtypes = [ctypes.c_int]
-        if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in (4, 8)):
+        if any(lib.zq_group_stride(bits) != group_bytes(bits) for bits in LAYOUTS):
             raise NativeUnavailable(f"{path.name} lays out its groups unlike this module")
         self._lib = lib
         self.path = path
@@ -139,11 +151,13 @@ class NativeLibrary:
     def reference(self, x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
                   low: torch.Tensor | None) -> torch.Tensor:
         """What `linear` computes, in float64 (zipage.kernels.reference): x @ W.T for W = values * scale
-        + low in groups of 32, from x's int16 codes or from x itself (`float_min_rows`)."""
+        + low in groups of 32 (a scale per 16 values: the 6 layout), from x's int16 codes or from x
+        itself (`float_min_rows`, for the 4- and 8-bit layouts)."""
         from zipage.kernels import reference as ref
 
-        low = low if low is not None else torch.zeros_like(scale)
-        if self.float_min_rows is not None and x.shape[0] >= self.float_min_rows:
+        halves = scale.shape[1] * 16 == values.shape[1]
+        low = low if low is not None else torch.zeros(values.shape[0], values.shape[1] // GROUP)
+        if self.float_min_rows is not None and x.shape[0] >= self.float_min_rows and not halves:
             return ref.grouped_matmul(values, scale, low, x)
         return ref.grouped_int16_matmul(values, scale, low, *ref.quantize_groups_int16(x))
 
@@ -371,10 +385,10 @@ def disagreement(library: NativeLibrary) -> str | None:
     def close(got: torch.Tensor, want: torch.Tensor) -> bool:
         return torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
-    for bits in (4, 8):
+    for bits in LAYOUTS:
         low_code, high_code = (0, 16) if bits == 4 else (-127, 128)
         values = torch.randint(low_code, high_code, (8, 64), generator=gen)
-        scale = (torch.rand(8, 2, generator=gen) * 0.1).half()
+        scale = (torch.rand(8, 4 if bits == 6 else 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
         for rows in (x[:1], torch.cat([x, x])):  # one row, and six: both kinds of AVX-512 product
             got = library.linear(rows, pack_weight(values, scale, low, bits), threads=1)
@@ -404,9 +418,9 @@ def disagreement(library: NativeLibrary) -> str | None:
 
 
 def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes [n, k] (0..15 for 4 bits, -127..127 for 8) in the kernel's layout: 4-bit codes two to
-    a byte, code j of a group in the low nibble of byte j and code j + 16 in its high one."""
-    if bits == 8:
+    """Integer codes [n, k] (0..15 for 4 bits, -127..127 for 6 and 8) in the kernel's layout: 4-bit codes two
+    to a byte, code j of a group in the low nibble of byte j and code j + 16 in its high one."""
+    if bits != 4:
         return values.to(torch.int8).contiguous()
     n, k = values.shape
     grouped = values.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)

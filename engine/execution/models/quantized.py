@@ -1,7 +1,8 @@
 """GGUF weights that stay quantized on the CPU (docs/design-notes.md, "Quantized CPU weights").
 
-Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4 bits;
-Q5_0's codes as 8-bit ones, Q4_K's scales rounded to float16) run on the native kernels
+Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4
+bits; Q5_0's codes as 8-bit ones, Q6_K's as 8-bit ones with a scale per 16, the K-quants' scales
+rounded to float16) run on the native kernels
 (`zipage.kernels.cpu`, "integer dots"): the codes as stored times activations quantized
 to int16 per 32 values, summed in integer units (with AVX-512: codes decoded to float32 in registers,
 times the float32 activations), for products of at most NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a
@@ -33,7 +34,7 @@ from zipage.engine.loading.gguf_tensors import (FOUR_BIT_TYPES, GROUP, GROUPED_T
                                                 NATIVE_TYPES, GroupedCodes, QuantizedTensor)
 from zipage.engine.loading.loader import c_compiler, cache_dir
 from zipage.kernels.cpu.native import OUT_BLOCK, GroupedWeight, NativeLibrary, NativeUnavailable, native_library
-from zipage.kernels.cpu.native import group_bytes, pack_weight
+from zipage.kernels.cpu.native import LAYOUTS, group_bytes, pack_weight
 
 # The int4 kernel re-decodes the weights for every few rows, so past some rows a float copy wins;
 # where, depends on torch's CPU capability. Against oneDNN's packed fp32, on a 2-core AVX2 EPYC int4 won
@@ -153,7 +154,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         codes = self.codes[ids]
-        grouped = codes.view(-1, codes.shape[1] // GROUP, GROUP).float()
+        group = codes.shape[1] // self.scale.shape[1]  # 32, or Q6_K's 16
+        grouped = codes.view(-1, codes.shape[1] // group, group).float()
         rows = grouped * self.scale[ids][..., None] + self.low[ids][..., None]
         return rows.view(codes.shape).to(self.dtype)
 
@@ -289,7 +291,7 @@ def _form_keys(target: str, kind: str | None) -> list[str]:
 def _native_blocks(groups: GroupedCodes, round_to_half: bool) -> torch.Tensor:
     """A weight's codes, scales and offsets in the native kernels' layout (8-bit codes have no offset);
     `round_to_half`: scales and offsets that are no float16 values (HALF_ROUNDED_TYPES) are rounded."""
-    bits = 8 if groups.codes.dtype == torch.int8 else 4
+    bits = 4 if groups.codes.dtype == torch.uint8 else 6 if groups.group == 16 else 8
     scale, low = (groups.scale.half().float(), groups.low.half().float()) if round_to_half else (groups.scale, groups.low)
     return pack_weight(groups.codes, scale, low if bits == 4 else None, bits).blocks
 
@@ -415,7 +417,7 @@ def _short_module(kind: str | None, key: str, forms: dict, kernels: Kernels) -> 
         return None
     tensors = [forms[name] for name in _form_keys(key, kind)]
     if kind == "native":
-        bits = 4 if tensors[0].shape[2] == group_bytes(4) else 8
+        bits = next(b for b in LAYOUTS if tensors[0].shape[2] == group_bytes(b))
         return NativeWeight(kernels.native, tensors[0], bits, head=key in (TIED_HEAD, "lm_head.weight"))
     return Int4Weight(*tensors)
 
