@@ -16,7 +16,7 @@ KNOB_HELP = {
     "model": "Model: a built-in name (smollm2-135m), a .gguf file, an HF folder, a hub id, or random:PRESET.",
     "device": "cpu or cuda (default: cuda when available).",
     "dtype": "float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).",
-    "weight_dtype": "auto: a quantized GGUF runs as stored on the CPU (Q4_0/Q4_1/Q8_0 in integer dots, Q4_K as int4); "
+    "weight_dtype": "auto: a quantized GGUF runs as stored on the CPU (Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 in integer dots); "
                     "float32 or bfloat16: dequantize every weight to that dtype.",
     "kv_cache_dtype": "auto: K and V in the model's dtype; fp8 (float8 e4m3) or int8: codes with a scale per "
                       "entry, half the bytes of bf16, so twice the tokens per GiB.",

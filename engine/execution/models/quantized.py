@@ -61,7 +61,8 @@ def cpu_forms_stamp() -> str:
     """What a quantized file's numbers on the CPU depend on beyond its values: which products run on
     which kernel and the float copies' dtype (a cache of results computed on them keys by it)."""
     library = native_kernel()[0]
-    native = f"integer dots ({library.vector_path})" if library is not None else "no integer dots"
+    native = (f"integer dots ({library.vector_path}) for {', '.join(NATIVE_TYPES)}" if library is not None
+              else "no integer dots")
     return (f"{native} up to {NATIVE_MAX_ROWS} rows ({LAYER_MAX_ROWS} for decode layers and the head), "
             f"int4 up to {INT4_MAX_ROWS} rows, "
             f"{'float16' if half_product_works() else 'float32'} copies")
