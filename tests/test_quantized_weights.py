@@ -23,29 +23,16 @@ from zipage.engine.cpu_products import HalfWeight, half_product_works
 from zipage.engine.loading.gguf_tensors import GroupedCodes, QuantizedTensor, read_gguf_tensors, tensor_index
 from zipage.engine.loading.loader import ModelSource, _converted_dir, cpu_weight_forms
 from zipage.engine.loading.model_registry import RANDOM_PRESETS
-from zipage.testing import gguf_names, gguf_source, write_gguf
+from zipage.testing import K_QUANT_BLOCKS, gguf_names, gguf_source, k_quant_blocks, write_gguf
 
 
 def quantized(values: np.ndarray, qtype: str) -> QuantizedTensor:
-    """`values` [rows, cols] float32 quantized by the gguf package (K-quant blocks are built by hand:
-    the package cannot quantize to them)."""
+    """`values` [rows, cols] float32 quantized by the gguf package (K-quant blocks are random: the
+    package cannot quantize to them)."""
     rows, cols = values.shape
-    if qtype in ("Q4_K", "Q6_K"):
-        return k_quant_blocks(qtype, rows, cols, np.random.default_rng(rows * cols))
+    if qtype in K_QUANT_BLOCKS:
+        return QuantizedTensor(qtype, (rows, cols), k_quant_blocks(qtype, rows, cols, np.random.default_rng(rows * cols)))
     return QuantizedTensor(qtype, (rows, cols), quants.quantize(values, GGMLQuantizationType[qtype]))
-
-
-def k_quant_blocks(qtype: str, rows: int, cols: int, rng) -> QuantizedTensor:
-    """Random Q4_K (144 bytes per 256 values: fp16 d and dmin first) or Q6_K (210 bytes: fp16 d last)
-    super-blocks with sane scales."""
-    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
-    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    if qtype == "Q4_K":
-        blocks[..., 0:2] = np.array([0.004], dtype=np.float16).view(np.uint8)
-        blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
-    else:
-        blocks[..., 208:210] = np.array([0.0003], dtype=np.float16).view(np.uint8)
-    return QuantizedTensor(qtype, (rows, cols), blocks.reshape(rows, -1))
 
 
 needs_fbgemm = pytest.mark.skipif(not half_product_works(), reason="this torch has no FBGEMM float16 product")
@@ -240,6 +227,28 @@ def test_a_q4_k_m_mix_of_q5_0_and_q8_0_runs_fused_on_integer_dots(capsys):
         judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
         # Q5_0's codes taken exactly, int16 activations: within 0.1 nats of the float32 model
         assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+
+
+@needs_fbgemm
+def test_q6_k_layers_run_in_one_native_call_beside_q5_0(capsys):
+    """A model whose widths are multiples of 256, its ffn_down in Q6_K (layout 6: a scale per 16
+    values) and the rest in Q5_0: every layer is one native call and agrees with the float32 model."""
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    config.hidden_size, config.intermediate_size = 256, 512
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    downs = {f"blk.{i}.ffn_down.weight": "Q6_K" for i in range(layers)}
+    source = gguf_source(config, write_gguf(config, "Q5_0", seed=14, types=downs))
+    quant, plain = engine(source, "auto"), engine(source, "float32")
+    forms = quant.runner.model.weight_report.forms
+    assert forms["Q6_K -> integer dots / float16"] == layers and capsys.readouterr().err == ""
+    model = quant.runner.model.model
+    assert all(layer.native is not None and layer.mlp.down_proj.quant.short.weight.bits == 6 for layer in model.layers)
+    prompt = list(range(5, 17))
+    out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
+    judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
+    # float16-rounded Q6_K scales and int16 activations: within 0.1 nats of the float32 model
+    assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
 
 
 @needs_fbgemm

@@ -85,6 +85,22 @@ def gguf_names(config) -> dict[str, tuple[int, int] | int]:
     return names
 
 
+# Bytes of a 256-value super-block, and where its float16 scales go: Q4_K's d and dmin first, Q6_K's
+# d last; the values keep random weights of about the size write_gguf's others have.
+K_QUANT_BLOCKS = {"Q4_K": (144, {0: 6e-4, 2: 3e-4}), "Q6_K": (210, {208: 1.3e-4})}
+
+
+def k_quant_blocks(qtype: str, rows: int, cols: int, rng):
+    """Random Q4_K or Q6_K blocks [rows, bytes per row] (cols a multiple of 256) with sane scales."""
+    import numpy as np
+
+    size, scales = K_QUANT_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for at, value in scales.items():
+        blocks[..., at:at + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embedding: str = "Q8_0",
                types: dict[str, str] | None = None) -> str:
     """A GGUF file of random weights in `qtype` (the embedding in `embedding`, the tensors `types` names
@@ -107,6 +123,8 @@ def write_gguf(config, qtype: str, seed: int, only: dict | None = None, embeddin
         kind = (types or {}).get(name, embedding if name == "token_embd.weight" else qtype)
         if values.ndim == 1:
             writer.add_tensor(name, values)
+        elif kind in K_QUANT_BLOCKS:  # the gguf package cannot quantize to these: random blocks instead
+            writer.add_tensor(name, k_quant_blocks(kind, *values.shape, rng), raw_dtype=GGMLQuantizationType[kind])
         else:
             writer.add_tensor(name, quants.quantize(values, GGMLQuantizationType[kind]),
                               raw_dtype=GGMLQuantizationType[kind])

@@ -2,15 +2,14 @@
 
 Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 (groups of 32 codes with a float16 scale, and an offset for 4
 bits; Q5_0's codes as 8-bit ones, Q6_K's as 8-bit ones with a scale per 16, the K-quants' scales
-rounded to float16) run on the native kernels
-(`zipage.kernels.cpu`, "integer dots"): the codes as stored times activations quantized
-to int16 per 32 values, summed in integer units (with AVX-512: codes decoded to float32 in registers,
-times the float32 activations), for products of at most NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a
-decode step's layers and the LM head). Fused parts (q/k/v, gate/up) of different types run fused where
-their codes are of one width (Q5_0 beside Q8_0, as llama.cpp's Q4_K_M files mix them). Where no C
-compiler builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
-`_weight_int4pack_mm_for_cpu`, with bf16 activations
-and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
+rounded to float16) run on the native kernels (`zipage.kernels.cpu`, "integer dots"): the codes as
+stored times activations quantized to int16 per 32 values, summed in integer units (with AVX-512:
+codes decoded to float32 in registers, times the float32 activations), for products of at most
+NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a decode step's layers and the LM head). Fused parts (q/k/v,
+gate/up) of different types run fused where they share a layout (Q5_0 beside Q8_0, as llama.cpp's
+Q4_K_M files mix them). Where no C compiler builds the native kernels, every 4-bit type runs on
+PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16
+scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
 a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
 values within float16 rounding in half the bytes of float32; where this torch has no FBGEMM they run
