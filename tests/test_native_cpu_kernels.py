@@ -309,8 +309,12 @@ def test_which_kernel_runs_which_weight_and_why_not():
     # fused parts run fused where their codes share a width: Q5_0 and Q8_0 both as 8-bit codes
     assert here.short_form({"Q5_0", "Q8_0"}, 64) == ("native", None)
     assert here.short_form({"Q4_0", "Q4_K"}, 64) == ("native", None)
-    assert here.short_form({"Q4_1", "Q8_0"}, 64) == (None, "the fused parts are stored in different types")
-    assert here.short_form({"Q5_0", "Q6_K"}, 64) == (None, "the fused parts are stored in different types")
+    # and parts of different layouts a product each (QuantizedWeights packs them apart)
+    assert here.short_form({"Q4_1", "Q8_0"}, 64) == ("native", None)
+    assert here.short_form({"Q4_K", "Q6_K"}, 64) == ("native", None)
+    assert here.short_form({"Q4_1", "Q5_1"}, 64) == (None, "the fused parts are stored in different types")
+    assert Kernels(native=None, int4=True).short_form({"Q4_K", "Q6_K"}, 64) == (
+        None, "no integer dots here; the fused parts are stored in different types")
     assert here.short_form({"Q5_1"}, 64) == (None, "no CPU kernel for Q5_1 blocks")
     assert bare.short_form({"Q8_0"}, 64) == (None, "no integer dots here; PyTorch's int8 kernel takes one scale per "
                                                    "row, Q8_0 has one per 32 values")

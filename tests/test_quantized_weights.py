@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType, quants
 from zipage.engine import EngineConfig, SamplingParams
 from zipage.engine.core.engine_core import EngineCore
 import zipage.engine.execution.models.quantized as quantized_module
-from zipage.engine.execution.models.quantized import Int4Weight, Kernels, NativeWeight, QuantizedEmbedding, QuantizedWeights
+from zipage.engine.execution.models.quantized import (Int4Weight, Kernels, NativeParts, NativeWeight, QuantizedEmbedding,
+                                                      QuantizedWeights)
 from zipage.engine.execution.models.quantized import INT4_MAX_ROWS, NATIVE_MAX_ROWS, pack_int4
 from zipage.engine.execution.models.decoder import Linear
 from zipage.engine.cpu_products import HalfWeight, half_product_works
@@ -229,13 +230,19 @@ def test_a_q4_k_m_mix_of_q5_0_and_q8_0_runs_fused_on_integer_dots(capsys):
         assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
 
 
+def config_of_k_quant_widths():
+    """llama-tiny with widths that are multiples of 256, as the K-quants' super-blocks need."""
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    config.hidden_size, config.intermediate_size = 256, 512
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
+
+
 @needs_fbgemm
 def test_q6_k_layers_run_in_one_native_call_beside_q5_0(capsys):
     """A model whose widths are multiples of 256, its ffn_down in Q6_K (layout 6: a scale per 16
     values) and the rest in Q5_0: every layer is one native call and agrees with the float32 model."""
-    config = RANDOM_PRESETS["llama-tiny"].make_config()
-    config.hidden_size, config.intermediate_size = 256, 512
-    config.head_dim = config.hidden_size // config.num_attention_heads
+    config = config_of_k_quant_widths()
     layers = config.num_hidden_layers
     downs = {f"blk.{i}.ffn_down.weight": "Q6_K" for i in range(layers)}
     source = gguf_source(config, write_gguf(config, "Q5_0", seed=14, types=downs))
@@ -248,6 +255,28 @@ def test_q6_k_layers_run_in_one_native_call_beside_q5_0(capsys):
     out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
     judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
     # float16-rounded Q6_K scales and int16 activations: within 0.1 nats of the float32 model
+    assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+
+
+@needs_fbgemm
+def test_fused_parts_of_different_layouts_run_a_product_each(capsys):
+    """llama.cpp's Q4_K_M mix where widths are multiples of 256: Q4_K q and k beside a Q6_K v. The
+    fused q/k/v runs in integer dots as a product a part (not on its float16 copy)."""
+    config = config_of_k_quant_widths()
+    layers = config.num_hidden_layers
+    v_and_down = {f"blk.{i}.{name}.weight": "Q6_K" for i in range(layers) for name in ("attn_v", "ffn_down")}
+    source = gguf_source(config, write_gguf(config, "Q4_K", seed=15, types=v_and_down))
+    quant, plain = engine(source, "auto"), engine(source, "float32")
+    forms = quant.runner.model.weight_report.forms
+    assert forms["Q4_K+Q6_K -> integer dots / float16"] == layers and forms["Q6_K -> integer dots / float16"] == layers
+    assert capsys.readouterr().err == ""
+    for layer in quant.runner.model.model.layers:
+        parts = layer.self_attn.qkv_proj.quant.short
+        assert isinstance(parts, NativeParts) and [p.weight.bits for p in parts.parts] == [4, 4, 6]
+        assert layer.native is None  # one native call a layer takes one product a projection
+    prompt = list(range(3, 15))
+    out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
+    judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
     assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
 
 

@@ -6,10 +6,10 @@ rounded to float16) run on the native kernels (`zipage.kernels.cpu`, "integer do
 stored times activations quantized to int16 per 32 values, summed in integer units (with AVX-512:
 codes decoded to float32 in registers, times the float32 activations), for products of at most
 NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a decode step's layers and the LM head). Fused parts (q/k/v,
-gate/up) of different types run fused where they share a layout (Q5_0 beside Q8_0, as llama.cpp's
-Q4_K_M files mix them). Where no C compiler builds the native kernels, every 4-bit type runs on
-PyTorch's own int4 CPU kernel, `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16
-scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
+gate/up) of different types run as one product where they share a layout (Q5_0 beside Q8_0, as
+llama.cpp's Q4_K_M files mix them), else as a product a part (`NativeParts`). Where no C compiler
+builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
+`_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
 a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
 values within float16 rounding in half the bytes of float32; where this torch has no FBGEMM they run
@@ -93,6 +93,21 @@ class NativeWeight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.library.linear(x.float().contiguous(), self.weight, torch.get_num_threads())
         return out.to(x.dtype)
+
+
+class NativeParts(nn.Module):
+    """Fused parts (q/k/v, gate/up) in different native layouts (Q4_K's q and k beside a Q6_K v, as
+    llama.cpp's Q4_K_M files have them): a product a part, their outputs side by side."""
+
+    def __init__(self, parts: list[NativeWeight]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.parts[0].takes(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 class Int4Weight(nn.Module):
@@ -220,13 +235,13 @@ class Kernels:
     def short_form(self, types: set[str], rows: int) -> tuple[str | None, str | None]:
         """For a weight of `rows` output rows stored in these types: "native", "int4" or None, and when
         None why no quantized kernel runs it."""
-        # Fused parts (q/k/v, gate/up) run as one weight: their types must share a kernel's layout.
+        # Fused parts (q/k/v, gate/up) of types the integer dots take run there, one product a layout.
         native_bits = {NATIVE_BITS.get(t) for t in types}
-        if len(types) > 1 and (None in native_bits or len(native_bits) > 1):
+        if len(types) > 1 and None in native_bits:
             return None, "the fused parts are stored in different types"
         qtype = "+".join(sorted(types))
         reasons = []
-        if len(native_bits) == 1 and None not in native_bits:
+        if None not in native_bits:
             if self.native is None:
                 reasons.append("no integer dots here")
             elif rows % OUT_BLOCK:
@@ -242,6 +257,8 @@ class Kernels:
                 return "int4", None
         elif types <= {"Q8_0", "Q5_0"}:
             reasons.append(f"PyTorch's int8 kernel takes one scale per row, {qtype} has one per 32 values")
+        elif len(types) > 1:
+            reasons.append("the fused parts are stored in different types")
         return None, "; ".join(reasons) or f"no CPU kernel for {qtype} blocks"
 
     def note(self, report: "WeightReport", types: set[str]) -> None:
@@ -267,7 +284,7 @@ def install_quantized(model, source, map_name) -> WeightReport:
     weights = QuantizedWeights.of(source.stored_weights(), model.tied, map_name)
     kernels = Kernels.here()
     planned = weights.planned(model, kernels)
-    keys = {key for target, (kind, _) in planned.items() for key in _form_keys(target, kind)}
+    keys = {key for target, (kind, parts) in planned.items() for key in _form_keys(target, kind, parts)}
     forms = source.cached(f"forms-{torch.backends.cpu.get_cpu_capability().lower()}",
                           f"{CACHE_FORMAT}, torch {torch.__version__}", keys, lambda: weights.forms(planned))
     return weights.install_forms(model, forms, kernels)
@@ -278,14 +295,25 @@ TIED_HEAD = "tied_lm_head"  # a tied head's quantized form, packed from the embe
 CACHE_FORMAT = "zipage quantized forms 3"  # bump when the cached forms change
 
 
-def _form_keys(target: str, kind: str | None) -> list[str]:
+def _form_keys(target: str, kind: str | None, parts: dict | None = None) -> list[str]:
     """The names of a weight's quantized form: the embedding's codes, scales and offsets, a native
-    weight's blocks, else Int4Weight's two tensors."""
+    weight's blocks (each part's where fused parts differ in layout), else Int4Weight's two tensors."""
     if target == EMBEDDING:
         fields = ("codes", "scale", "low")
+    elif kind == "native":
+        shards = _shards_by_layout(parts)
+        fields = ("blocks",) if shards is None else tuple(f"blocks.{shard}" for shard in shards)
     else:
-        fields = ("blocks",) if kind == "native" else ("packed", "scales_zeros")
+        fields = ("packed", "scales_zeros")
     return [f"{target}.{field}" for field in fields]
+
+
+def _shards_by_layout(parts: dict | None) -> list[str] | None:
+    """A fused weight's shards, in order, where its parts differ in native layout (each is then a
+    product of its own); None where they share one."""
+    if not parts or len({NATIVE_BITS[t.qtype] for t in parts.values()}) == 1:
+        return None
+    return sorted(parts, key=_shard_order)
 
 
 def _native_blocks(groups: GroupedCodes, round_to_half: bool) -> torch.Tensor:
@@ -348,21 +376,27 @@ class QuantizedWeights:
 
     @staticmethod
     def forms(planned: dict) -> dict[str, torch.Tensor]:
-        """The planned weights decoded and packed: "<key>.blocks" of a native weight, "<key>.packed" and
-        "<key>.scales_zeros" of an int4 one, "<key>.codes", ".scale" and ".low" of the embedding."""
+        """The planned weights decoded and packed: "<key>.blocks" of a native weight (".blocks.<shard>" of
+        each part where fused parts differ in layout), "<key>.packed" and "<key>.scales_zeros" of an int4
+        one, "<key>.codes", ".scale" and ".low" of the embedding."""
         forms, embedding = {}, None
         for key, (kind, parts) in planned.items():
             if key in (EMBEDDING, TIED_HEAD):  # decoded once for both
                 embedding = parts[None].groups() if embedding is None else embedding
-                groups = embedding
+                pieces = [(embedding, parts[None].qtype in HALF_ROUNDED_TYPES)]
             else:
-                groups = _concat([parts[s].groups() for s in sorted(parts, key=_shard_order)])
+                shards = sorted(parts, key=_shard_order)
+                pieces = [(parts[s].groups(), parts[s].qtype in HALF_ROUNDED_TYPES) for s in shards]
+                if kind != "native" or _shards_by_layout(parts) is None:  # one product of the stacked parts
+                    pieces = [(_concat([groups for groups, _ in pieces]), any(rounded for _, rounded in pieces))]
             if key == EMBEDDING:
+                groups = pieces[0][0]
                 values = (groups.codes, groups.scale, groups.low)
+            elif kind == "native":
+                values = tuple(_native_blocks(groups, rounded) for groups, rounded in pieces)
             else:
-                rounded = any(t.qtype in HALF_ROUNDED_TYPES for t in parts.values())
-                values = (_native_blocks(groups, rounded),) if kind == "native" else pack_int4(groups)
-            forms.update(zip(_form_keys(key, kind), values))
+                values = pack_int4(pieces[0][0])
+            forms.update(zip(_form_keys(key, kind, parts), values))
         return forms
 
     def install_forms(self, model, forms: dict[str, torch.Tensor], kernels: Kernels) -> WeightReport:
@@ -379,7 +413,7 @@ class QuantizedWeights:
                 continue
             module = model.get_submodule(target.removesuffix(".weight"))
             kind, why = self._short_form(parts, kernels)
-            module.quant, form = _quantized_linear(_short_module(kind, target, forms, kernels), module.weight,
+            module.quant, form = _quantized_linear(_short_module(kind, target, forms, kernels, parts), module.weight,
                                                    dtype, report)
             if module.quant is not None and module.quant.copy is not None:
                 module.weight = None  # the copy holds the same values
@@ -390,7 +424,10 @@ class QuantizedWeights:
 
     @staticmethod
     def _short_form(parts: dict[str | None, QuantizedTensor], kernels: Kernels) -> tuple[str | None, str | None]:
-        return kernels.short_form({t.qtype for t in parts.values()}, sum(t.shape[0] for t in parts.values()))
+        kind, why = kernels.short_form({t.qtype for t in parts.values()}, sum(t.shape[0] for t in parts.values()))
+        if kind == "native" and _shards_by_layout(parts) is not None and any(t.shape[0] % OUT_BLOCK for t in parts.values()):
+            return None, f"integer dots need a multiple of {OUT_BLOCK} output rows in each fused part"
+        return kind, why
 
     @staticmethod
     def _install_embedding(model, tensor: QuantizedTensor, forms: dict, kernels: Kernels, dtype,
@@ -411,14 +448,16 @@ class QuantizedWeights:
         report.add(tensor.qtype, f"{form} LM head", why)
 
 
-def _short_module(kind: str | None, key: str, forms: dict, kernels: Kernels) -> nn.Module | None:
+def _short_module(kind: str | None, key: str, forms: dict, kernels: Kernels, parts: dict | None = None
+                  ) -> nn.Module | None:
     """The module that runs a weight's short products from its cached forms (None: no kernel does)."""
     if kind is None:
         return None
-    tensors = [forms[name] for name in _form_keys(key, kind)]
+    tensors = [forms[name] for name in _form_keys(key, kind, parts)]
     if kind == "native":
-        bits = next(b for b in LAYOUTS if tensors[0].shape[2] == group_bytes(b))
-        return NativeWeight(kernels.native, tensors[0], bits, head=key in (TIED_HEAD, "lm_head.weight"))
+        weights = [NativeWeight(kernels.native, blocks, next(b for b in LAYOUTS if blocks.shape[2] == group_bytes(b)),
+                                head=key in (TIED_HEAD, "lm_head.weight")) for blocks in tensors]
+        return weights[0] if len(weights) == 1 else NativeParts(weights)
     return Int4Weight(*tensors)
 
 
@@ -436,7 +475,7 @@ def _quantized_linear(short: nn.Module | None, values: torch.Tensor, dtype: torc
     rest = "float16" if copy is not None else str(dtype).removeprefix("torch.")
     if short is None and copy is None:
         return None, rest
-    name = FORM_NAMES["native" if isinstance(short, NativeWeight) else "int4"]
+    name = FORM_NAMES["native" if isinstance(short, (NativeWeight, NativeParts)) else "int4"]
     return QuantizedLinear(short, copy), (f"{name} / {rest}" if short is not None else rest)
 
 
