@@ -126,6 +126,14 @@ def prompt_logprobs(core: EngineCore, prompt: list[int]) -> list:
     return finished(core, prompt, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1)).prompt_logprobs[1:]
 
 
+def assert_decode_follows_float32(quant: EngineCore, plain: EngineCore, prompt: list[int]) -> None:
+    """12 greedy decode steps of `quant`, each token's log-probability within 0.1 nats of what the
+    float32 model `plain` gives it, teacher-forced (integer dots: int16 activations, float16 scales)."""
+    out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
+    judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
+    assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+
+
 @needs_fbgemm
 @pytest.mark.parametrize("family,qtype,embedding,native", [
     ("llama-tiny", "Q4_1", "Q8_0", True), ("qwen3-tiny", "Q4_0", "Q4_0", True),
@@ -223,11 +231,7 @@ def test_a_q4_k_m_mix_of_q5_0_and_q8_0_runs_fused_on_integer_dots(capsys):
     assert all(layer.native is not None for layer in quant.runner.model.model.layers)
     gen = torch.Generator().manual_seed(13)
     for _ in range(2):
-        prompt = torch.randint(0, 256, (12,), generator=gen).tolist()
-        out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
-        judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
-        # Q5_0's codes taken exactly, int16 activations: within 0.1 nats of the float32 model
-        assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+        assert_decode_follows_float32(quant, plain, torch.randint(0, 256, (12,), generator=gen).tolist())
 
 
 def config_of_k_quant_widths():
@@ -251,11 +255,7 @@ def test_q6_k_layers_run_in_one_native_call_beside_q5_0(capsys):
     assert forms["Q6_K -> integer dots / float16"] == layers and capsys.readouterr().err == ""
     model = quant.runner.model.model
     assert all(layer.native is not None and layer.mlp.down_proj.quant.short.weight.bits == 6 for layer in model.layers)
-    prompt = list(range(5, 17))
-    out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
-    judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
-    # float16-rounded Q6_K scales and int16 activations: within 0.1 nats of the float32 model
-    assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+    assert_decode_follows_float32(quant, plain, list(range(5, 17)))
 
 
 @needs_fbgemm
@@ -274,10 +274,7 @@ def test_fused_parts_of_different_layouts_run_a_product_each(capsys):
         parts = layer.self_attn.qkv_proj.quant.short
         assert isinstance(parts, NativeParts) and [p.weight.bits for p in parts.parts] == [4, 4, 6]
         assert layer.native is None  # one native call a layer takes one product a projection
-    prompt = list(range(3, 15))
-    out = finished(quant, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0))
-    judged = prompt_logprobs(plain, prompt + out.token_ids)[-len(out.token_ids):]
-    assert [t.logprob for t in out.logprobs] == pytest.approx([r.logprob for r in judged], abs=0.1)
+    assert_decode_follows_float32(quant, plain, list(range(3, 15)))
 
 
 @needs_fbgemm
