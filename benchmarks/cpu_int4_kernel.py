@@ -10,7 +10,7 @@ Why a quantized layer runs int4 only for products of a few rows, and its float16
 the int4 side is `_weight_int4pack_mm_for_cpu` at group size 32 with bf16 activations (its fast path),
 the float16 copy `cpu_products.HalfWeight` (float32 activations and outputs), the native product
 (`zipage.kernels.cpu`: activations quantized to int16 per 32 values, then integer sums; `--bits 8` for
-Q8_0's codes), quantizing included; where its products are AVX-512, the same source built for AVX2
+Q8_0's and Q5_0's codes, `--bits 6` for Q6_K's), quantizing included; where its products are AVX-512, the same source built for AVX2
 beside it. One weight
 stays in the CPU's caches from call to call; with --layers N, every timed call runs the products of
 N layers of SmolLM2's shapes (fused q/k/v, o, fused gate/up, down), each weight its own, so the
@@ -45,8 +45,10 @@ def weights(out: int, inp: int, gen: torch.Generator, bits: int) -> tuple:
     """One weight in four forms: packed int4 codes with bf16 scales-and-zeros, packed fp32, the
     float16 copy (None without FBGEMM), and the native form (`bits`-bit codes, scales, offsets)."""
     codes = torch.randint(0, 16, (out, inp), dtype=torch.int32, generator=gen)
-    native_codes = codes if bits == 4 else torch.randint(-127, 128, (out, inp), generator=gen)
-    native = pack_weight(native_codes, (torch.rand(out, inp // 32, generator=gen) * 0.01).half(),
+    native_codes = codes if bits == 4 else torch.randint(-32 if bits == 6 else -127, 32 if bits == 6 else 128,
+                                                         (out, inp), generator=gen)
+    per_scale = 16 if bits == 6 else 32  # layout 6: Q6_K's codes, a scale per 16 values
+    native = pack_weight(native_codes, (torch.rand(out, inp // per_scale, generator=gen) * 0.01).half(),
                          (torch.randn(out, inp // 32, generator=gen) * 0.01).half() if bits == 4 else None, bits)
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_zeros = torch.randn(inp // 32, out, 2, generator=gen).bfloat16()
@@ -62,7 +64,8 @@ def main() -> None:
     p.add_argument("--in", dest="inp", type=int, default=576, help="input features, a multiple of 32")
     p.add_argument("--layers", type=int, default=0, help="time N layers of SmolLM2's products instead of one weight")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="the native form's codes: 4 (Q4_*) or 8 (Q8_0)")
+    p.add_argument("--bits", type=int, choices=(4, 6, 8), default=4,
+                   help="the native form's layout: 4 (Q4_*), 8 (Q8_0, Q5_0) or 6 (Q6_K)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
