@@ -194,11 +194,13 @@ static inline __attribute__((always_inline)) void output_block(
             x[i][1] = _mm256_loadu_si256((const __m256i *)(row + 16));
             const __m128 xscale = _mm_set1_ps(xs[(r + i) * groups + g]);
             _mm_storeu_ps(scales[i], _mm_mul_ps(d, xscale));
-            const __m128 second = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)));
-            if (bits == 4) /* the offsets */
-                offsets[i] = _mm_fmadd_ps(second, _mm_set1_ps(xsum[(r + i) * groups + g]), offsets[i]);
-            if (bits == 6)
-                _mm_storeu_ps(seconds[i], _mm_mul_ps(second, xscale));
+            if (bits != 8) { /* 4 bits: the offsets; 6: the second halves' scales */
+                const __m128 second = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)));
+                if (bits == 4)
+                    offsets[i] = _mm_fmadd_ps(second, _mm_set1_ps(xsum[(r + i) * groups + g]), offsets[i]);
+                else
+                    _mm_storeu_ps(seconds[i], _mm_mul_ps(second, xscale));
+            }
         }
         for (int j = 0; j < OUT_BLOCK; j++) {
             __m256i c[2];
@@ -229,9 +231,9 @@ static inline __attribute__((always_inline)) void output_block(
                 const uint8_t *group = block + g * stride, *codes = group + header + j * row_bytes;
                 const int16_t *row = xq + (r + i) * k + g * GROUP;
                 const float xscale = xs[(r + i) * groups + g];
-                uint16_t d, second;
+                uint16_t d, second = 0;
                 memcpy(&d, group + 2 * j, 2);
-                memcpy(&second, group + OUT_BLOCK * 2 + 2 * j, 2); /* 4 bits: the offset; 6: a scale */
+                if (bits != 8) memcpy(&second, group + OUT_BLOCK * 2 + 2 * j, 2); /* 4 bits: the offset; 6: a scale */
                 if (bits == 6) {
                     total += (float)group_sum(codes, bits, row, 0, GROUP / 2) * (half_to_float(d) * xscale);
                     total += (float)group_sum(codes, bits, row, GROUP / 2, GROUP / 2) * (half_to_float(second) * xscale);
