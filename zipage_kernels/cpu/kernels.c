@@ -266,18 +266,23 @@ static inline __attribute__((always_inline)) void matmul(
 }
 
 #ifdef ZQ_AVX512
-/* A row's 32 weights of a group as floats in two registers: code * d + lo (8-bit codes: code * d). */
-static inline void decode_weights(const uint8_t *codes, const int bits, __m512 d, __m512 lo, __m512 w[2]) {
+/* A row's 32 weights of a group as floats in two registers (w = code * d + lo; 8-bit codes: code * d).
+ * 4-bit codes index a table of the sixteen values code * d + lo, one fused multiply-add for the row's
+ * group (the same single rounding as decoding each weight): a vpermps reads only an index's low four
+ * bits, so the low nibbles need no mask. */
+static inline void decode_weights(const uint8_t *codes, const int bits, float d, float lo, __m512 w[2]) {
     if (bits == 8) {
         for (int half = 0; half < 2; half++) {
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + 16 * half));
-            w[half] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+            w[half] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(d));
         }
         return;
     }
+    const __m512 every_code = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(every_code, _mm512_set1_ps(d), _mm512_set1_ps(lo));
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), d, lo);
-    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, lo);
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 /* Outputs first + j0 .. first + j0 + outs - 1 of one block for float rows r .. r + rows - 1 (rows and
@@ -293,16 +298,15 @@ static inline __attribute__((always_inline)) void float_outputs(
         for (int j = 0; j < outs; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = block + g * stride;
-        /* the block's four scales and offsets, each output's then broadcast from these registers */
-        const __m128i d_halves = _mm_loadl_epi64((const __m128i *)group);
-        const __m128i lo_halves = bits == 4 ? _mm_loadl_epi64((const __m128i *)(group + OUT_BLOCK * 2)) : _mm_setzero_si128();
-        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(d_halves));
-        const __m512 lo4 = _mm512_castps128_ps512(_mm_cvtph_ps(lo_halves));
+        float scales[2 * OUT_BLOCK]; /* the block's four scales, then (4 bits) its four offsets */
+        if (bits == 4)
+            _mm256_storeu_ps(scales, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group)));
+        else
+            _mm_storeu_ps(scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
         for (int j = 0; j < outs; j++) {
-            const __m512i which = _mm512_set1_epi32(j0 + j);
             __m512 w[2];
-            decode_weights(group + header + (j0 + j) * row_bytes, bits, _mm512_permutexvar_ps(which, d4),
-                           _mm512_permutexvar_ps(which, lo4), w);
+            decode_weights(group + header + (j0 + j) * row_bytes, bits, scales[j0 + j],
+                           bits == 4 ? scales[OUT_BLOCK + j0 + j] : 0.0f, w);
             for (int i = 0; i < rows; i++) {
                 const float *row = x + (r + i) * k + g * GROUP;
                 acc[i][j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(row), acc[i][j]);
@@ -466,20 +470,42 @@ static void attend_head(const float *qh, const float *k_base, const float *v_bas
         for (; e < count; e++) scores[t + e] = table[i] < 0 ? -INFINITY : dot_product(qh, k + e * entry, d) * scale;
         for (e = 0; e < count; e++, t++) top = scores[t] > top ? scores[t] : top;
     }
-    for (int64_t t = 0; t < length; t++) scores[t] = exp_approx(scores[t] - top); /* holes: e^-inf = 0 */
-    for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
     float total = 0.0f;
-    for (int64_t i = 0, t = 0; t < length; i++) {
-        const int64_t count = length - t < block_size ? length - t : block_size;
-        if (table[i] < 0) {
-            t += count;
-            continue;
+    for (int64_t t = 0; t < length; t++) {
+        scores[t] = exp_approx(scores[t] - top); /* holes: e^-inf = 0 */
+        total += scores[t];
+    }
+#ifdef ZQ_AVX2
+    if (d % 64 == 0) { /* 64 output values at a time, summed in registers */
+        for (int64_t c = 0; c < d; c += 64) {
+            __m256 acc[8];
+            for (int l = 0; l < 8; l++) acc[l] = _mm256_setzero_ps();
+            for (int64_t i = 0, t = 0; t < length; i++) {
+                const int64_t count = length - t < block_size ? length - t : block_size;
+                if (table[i] >= 0) {
+                    const float *v = v_base + table[i] * block_size * entry + c;
+                    for (int64_t e = 0; e < count; e++) {
+                        const __m256 p = _mm256_broadcast_ss(scores + t + e);
+                        for (int l = 0; l < 8; l++)
+                            acc[l] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + e * entry + 8 * l), acc[l]);
+                    }
+                }
+                t += count;
+            }
+            for (int l = 0; l < 8; l++) _mm256_storeu_ps(o + c + 8 * l, acc[l]);
         }
-        const float *v = v_base + table[i] * block_size * entry;
-        for (int64_t e = 0; e < count; e++, t++) {
-            const float p = scores[t];
-            total += p;
-            for (int64_t j = 0; j < d; j++) o[j] += p * v[e * entry + j];
+    } else
+#endif
+    {
+        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+        for (int64_t i = 0, t = 0; t < length; i++) {
+            const int64_t count = length - t < block_size ? length - t : block_size;
+            if (table[i] >= 0) {
+                const float *v = v_base + table[i] * block_size * entry;
+                for (int64_t e = 0; e < count; e++)
+                    for (int64_t j = 0; j < d; j++) o[j] += scores[t + e] * v[e * entry + j];
+            }
+            t += count;
         }
     }
     const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
