@@ -456,8 +456,8 @@ def test_a_weight_beyond_float16s_range_keeps_its_float32_values(capsys):
 def test_a_decode_steps_tokens_do_not_depend_on_how_many_requests_run_beside_it():
     # Up to LAYER_MAX_ROWS decode rows, the layers and the (tied, Q8_0) LM head all take integer dots,
     # so a request's log-probabilities are the same bits alone as beside five others (six rows: past
-    # NATIVE_MAX_ROWS, where a lone product would take its float16 copy). With AVX-512, products of 4
-    # rows or more are float ones: there the bits agree within 1-3 and within 4-8 requests.
+    # NATIVE_MAX_ROWS, where a lone product would take its float16 copy). Products of `float_min_rows`
+    # rows or more are float ones (AVX-512: 4; AVX2: 8): there the bits agree within 1-3 and 4-8 requests.
     config = RANDOM_PRESETS["llama-tiny"].make_config()
     source = gguf_source(config, write_gguf(config, "Q4_1", seed=21, embedding="Q8_0"))
     gen = torch.Generator().manual_seed(22)
@@ -477,5 +477,5 @@ def test_a_decode_steps_tokens_do_not_depend_on_how_many_requests_run_beside_it(
 
     alone, beside_one, beside_three, beside_five = run(1), run(2), run(4), run(6)
     assert alone == beside_one and beside_three == beside_five
-    if quantized_module.native_kernel()[0].float_min_rows is None:
+    if (quantized_module.native_kernel()[0].float_min_rows or 8) > 6:  # one kind of product for 1-6 rows
         assert alone == beside_five

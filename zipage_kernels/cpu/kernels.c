@@ -20,12 +20,13 @@
  *
  * The AVX2 path widens the codes to int16 and multiplies them by the activations with vpmaddwd; a
  * 32-bit lane sums four products, at most 4 * 128 * 32767 in size. Other CPUs take the portable loops,
- * which give the same integer sums. With AVX-512 the integer sums cost as much as float ones (a
- * multiply, a conversion and a scaled add per group and row), so there a product of FLOAT_MIN_ROWS rows
- * or more decodes a group's 32 weights once (code * d + lo: exact in float32 but for the add's one
- * rounding) and gives each row two fused multiply-adds a group, from float32 activations; fewer rows,
- * where the integer dots' cheaper decoding wins, keep them, as the 6 layout does at every row count. Threads come from the OpenMP runtime torch
- * has already loaded (the same libgomp.so.1), so they are torch's own. */
+ * which give the same integer sums. Past a few rows the integer sums cost as much as float ones (a
+ * multiply, a conversion and a scaled add per group and row), so a product of FLOAT_MIN_ROWS rows or
+ * more (4 with AVX-512, 8 with AVX2) decodes a group's 32 weights once (code * d + lo: exact in float32
+ * but for the add's one rounding) and gives each row fused multiply-adds from its float32 activations;
+ * fewer rows, where the integer dots' cheaper decoding wins, keep them, as the 6 layout does at every
+ * row count. Threads come from the OpenMP runtime torch has already loaded (the same libgomp.so.1), so
+ * they are torch's own. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,7 +40,13 @@
 #endif
 
 #define GROUP 32
-#define FLOAT_MIN_ROWS 4 /* AVX-512: products of at least this many rows are float ones */
+#ifdef ZQ_AVX512
+#define FLOAT_MIN_ROWS 4 /* products of at least this many rows are float ones */
+#define FLOAT_MATMUL float_matmul
+#else
+#define FLOAT_MIN_ROWS 8 /* AVX2 */
+#define FLOAT_MATMUL float_matmul_avx2
+#endif
 #define OUT_BLOCK 4 /* outputs that share each activation load */
 #define CODE_MAX 32767.0f /* the activations' largest code */
 
@@ -53,7 +60,7 @@ static inline int64_t group_stride(int bits) { return header_bytes(bits) + OUT_B
 
 int zq_group_stride(int bits) { return (int)group_stride(bits); }
 
-/* The products' instructions: 0 the portable loops, 1 AVX2, 2 AVX-512 (float products of many rows). */
+/* The products' instructions: 0 the portable loops, 1 AVX2, 2 AVX-512. */
 int zq_vector_path(void) {
 #if defined(ZQ_AVX512)
     return 2;
@@ -64,9 +71,9 @@ int zq_vector_path(void) {
 #endif
 }
 
-/* The fewest rows whose products run on decoded float weights; 0: none do (no AVX-512). */
+/* The fewest rows whose products run on decoded float weights; 0: none do (the portable loops). */
 int zq_float_min_rows(void) {
-#ifdef ZQ_AVX512
+#ifdef ZQ_AVX2
     return FLOAT_MIN_ROWS;
 #else
     return 0;
@@ -346,17 +353,93 @@ static inline __attribute__((always_inline)) void float_matmul(
 }
 #endif
 
-/* y[m x n] = x @ W.T: with AVX-512 and at least FLOAT_MIN_ROWS rows from the float rows themselves
+#if defined(ZQ_AVX2) && !defined(ZQ_AVX512)
+/* AVX2: a row's 32 weights of a group as floats in four registers (codes 0-7, 8-15, 16-23, 24-31). */
+static inline void decode_weights_avx2(const uint8_t *codes, const int bits, float d, float lo, __m256 w[4]) {
+    const __m256 scale = _mm256_set1_ps(d);
+    if (bits == 8) {
+        for (int q = 0; q < 4; q++)
+            w[q] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * q)))),
+                                 scale);
+        return;
+    }
+    const __m256 offset = _mm256_set1_ps(lo);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
+    const __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low4)), scale, offset);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low4)), scale, offset);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), scale, offset);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), scale, offset);
+}
+
+/* As float_outputs, in eight-lane registers: rows x outs accumulators, at most 8 of them (the 16
+ * registers also hold the four of decoded weights). */
+static inline __attribute__((always_inline)) void float_outputs_avx2(
+        const uint8_t *block, const int bits, int64_t n, int64_t k, const float *x, int64_t first, int j0,
+        const int outs, int64_t r, const int rows, float *y) {
+    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = code_bytes(bits);
+    const int header = header_bytes(bits);
+    __m256 acc[8][4];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < outs; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * stride;
+        float scales[2 * OUT_BLOCK];
+        if (bits == 4)
+            _mm256_storeu_ps(scales, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group)));
+        else
+            _mm_storeu_ps(scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
+        for (int j = 0; j < outs; j++) {
+            __m256 w[4];
+            decode_weights_avx2(group + header + (j0 + j) * row_bytes, bits, scales[j0 + j],
+                                bits == 4 ? scales[OUT_BLOCK + j0 + j] : 0.0f, w);
+            for (int i = 0; i < rows; i++) {
+                const float *row = x + (r + i) * k + g * GROUP;
+                for (int q = 0; q < 4; q++) acc[i][j] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(row + 8 * q), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < outs; j++) y[(r + i) * n + first + j0 + j] = horizontal_sum(acc[i][j]);
+}
+
+static inline __attribute__((always_inline)) void float_matmul_avx2(
+        const uint8_t *weight, const int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+        int threads) {
+    const int64_t block_bytes = (k / GROUP) * group_stride(bits);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < n / OUT_BLOCK; b++) {
+        const uint8_t *block = weight + b * block_bytes;
+        const int64_t first = b * OUT_BLOCK;
+        int64_t r = 0;
+        for (; r + 8 <= m; r += 8) /* one output a pass: 8 accumulators and 4 weight registers of the 16 */
+            for (int j = 0; j < OUT_BLOCK; j++) float_outputs_avx2(block, bits, n, k, x, first, j, 1, r, 8, y);
+        if (m - r >= 4) {
+            float_outputs_avx2(block, bits, n, k, x, first, 0, 2, r, 4, y);
+            float_outputs_avx2(block, bits, n, k, x, first, 2, 2, r, 4, y);
+            r += 4;
+        }
+        if (m - r >= 2) {
+            float_outputs_avx2(block, bits, n, k, x, first, 0, 4, r, 2, y);
+            r += 2;
+        }
+        if (m - r >= 1) float_outputs_avx2(block, bits, n, k, x, first, 0, 4, r, 1, y);
+    }
+}
+#endif
+
+/* y[m x n] = x @ W.T: for at least FLOAT_MIN_ROWS rows (AVX2 or AVX-512) from the float rows themselves
  * (4- and 8-bit layouts); else x (m x k floats) quantized into scratch memory, then the integer
  * products. Returns 0, or -1 where the scratch memory could not be had (y is then untouched). */
 int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
               int threads) {
-#ifdef ZQ_AVX512
+#ifdef ZQ_AVX2
     if (m >= FLOAT_MIN_ROWS && bits != 6) {
         if (bits == 4)
-            float_matmul(weight, 4, n, k, x, m, y, threads);
+            FLOAT_MATMUL(weight, 4, n, k, x, m, y, threads);
         else
-            float_matmul(weight, 8, n, k, x, m, y, threads);
+            FLOAT_MATMUL(weight, 8, n, k, x, m, y, threads);
         return 0;
     }
 #endif

@@ -143,8 +143,8 @@ class NativeLibrary:
         self.path = path
         lib.zq_float_min_rows.restype = ctypes.c_int
         self.vector_path = VECTOR_PATHS[lib.zq_vector_path()]
-        # products of at least this many rows multiply decoded float weights by the float rows (AVX-512);
-        # shorter ones (all, where None) the codes by the rows' int16 codes
+        # products of at least this many rows multiply decoded float weights by the float rows (AVX2 or
+        # AVX-512); shorter ones (all, where None: the portable loops) the codes by the rows' int16 codes
         self.float_min_rows = lib.zq_float_min_rows() or None
         self.threaded = bool(lib.zq_threaded())  # False: built without OpenMP, one thread
 
@@ -172,7 +172,7 @@ class NativeLibrary:
 
     def linear(self, x: torch.Tensor, weight: GroupedWeight, threads: int) -> torch.Tensor:
         """x @ W.T, float32 [m, n], for float32 rows x [m, k] (quantized to int16 per 32 values inside,
-        but for AVX-512 products of `float_min_rows` rows or more)."""
+        but for products of `float_min_rows` rows or more)."""
         _require_rows(x)
         n, k = weight.shape
         if x.shape[1] != k:
@@ -390,7 +390,7 @@ def disagreement(library: NativeLibrary) -> str | None:
         values = torch.randint(low_code, high_code, (8, 64), generator=gen)
         scale = (torch.rand(8, 4 if bits == 6 else 2, generator=gen) * 0.1).half()
         low = (torch.randn(8, 2, generator=gen) * 0.1).half() if bits == 4 else None
-        for rows in (x[:1], torch.cat([x, x])):  # one row, and six: both kinds of AVX-512 product
+        for rows in (x[:1], torch.cat([x, x, x])):  # one row, and nine: both kinds of product
             got = library.linear(rows, pack_weight(values, scale, low, bits), threads=1)
             want = library.reference(rows, values, scale, low)
             if not close(got, want):
