@@ -40,12 +40,10 @@
 #endif
 
 #define GROUP 32
-#ifdef ZQ_AVX512
-#define FLOAT_MIN_ROWS 4 /* products of at least this many rows are float ones */
-#define FLOAT_MATMUL float_matmul
+#ifdef ZQ_AVX512 /* products of at least this many rows are float ones */
+#define FLOAT_MIN_ROWS 4
 #else
-#define FLOAT_MIN_ROWS 8 /* AVX2 */
-#define FLOAT_MATMUL float_matmul_avx2
+#define FLOAT_MIN_ROWS 8
 #endif
 #define OUT_BLOCK 4 /* outputs that share each activation load */
 #define CODE_MAX 32767.0f /* the activations' largest code */
@@ -272,12 +270,24 @@ static inline __attribute__((always_inline)) void matmul(
     }
 }
 
+#ifdef ZQ_AVX2
+/* The float products, in 16-lane registers with AVX-512 (32 of them) and 8-lane ones with AVX2 (16):
+ * one source, the vector type and the passes' shapes by instruction set. */
 #ifdef ZQ_AVX512
-/* A row's 32 weights of a group as floats in two registers (w = code * d + lo; 8-bit codes: code * d).
- * 4-bit codes index a table of the sixteen values code * d + lo, one fused multiply-add for the row's
- * group (the same single rounding as decoding each weight): a vpermps reads only an index's low four
- * bits, so the low nibbles need no mask. */
-static inline void decode_weights(const uint8_t *codes, const int bits, float d, float lo, __m512 w[2]) {
+typedef __m512 fvec;
+#define LANES 16
+#define fvec_zero _mm512_setzero_ps
+#define fvec_load _mm512_loadu_ps
+#define fvec_fmadd _mm512_fmadd_ps
+#define fvec_sum _mm512_reduce_add_ps
+#define EIGHT_ROW_OUTS 2 /* 8 rows x 2 outputs: 16 accumulators */
+#define FOUR_ROW_OUTS 4
+
+/* A row's 32 weights of a group as floats (w = code * d + lo; 8-bit codes: code * d). 4-bit codes
+ * index a table of the sixteen values code * d + lo, one fused multiply-add for the row's group (the
+ * same single rounding as decoding each weight): a vpermps reads only an index's low four bits, so the
+ * low nibbles need no mask. */
+static inline void decode_weights(const uint8_t *codes, const int bits, float d, float lo, fvec w[2]) {
     if (bits == 8) {
         for (int half = 0; half < 2; half++) {
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + 16 * half));
@@ -291,76 +301,25 @@ static inline void decode_weights(const uint8_t *codes, const int bits, float d,
     w[0] = _mm512_permutexvar_ps(bytes, table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
+#else
+typedef __m256 fvec;
+#define LANES 8
+#define fvec_zero _mm256_setzero_ps
+#define fvec_load _mm256_loadu_ps
+#define fvec_fmadd _mm256_fmadd_ps
+#define fvec_sum horizontal_sum
+#define EIGHT_ROW_OUTS 1 /* 8 accumulators beside the 4 registers of decoded weights */
+#define FOUR_ROW_OUTS 2
 
-/* Outputs first + j0 .. first + j0 + outs - 1 of one block for float rows r .. r + rows - 1 (rows and
- * outs constants once inlined: rows x outs accumulators of 16 lanes). A row's sums run in the same
- * order whatever rows it shares a pass with, so its outputs do not depend on the batch. */
-static inline __attribute__((always_inline)) void float_outputs(
-        const uint8_t *block, const int bits, int64_t n, int64_t k, const float *x, int64_t first, int j0,
-        const int outs, int64_t r, const int rows, float *y) {
-    const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = code_bytes(bits);
-    const int header = header_bytes(bits);
-    __m512 acc[8][4];
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < outs; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group = block + g * stride;
-        float scales[2 * OUT_BLOCK]; /* the block's four scales, then (4 bits) its four offsets */
-        if (bits == 4)
-            _mm256_storeu_ps(scales, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group)));
-        else
-            _mm_storeu_ps(scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
-        for (int j = 0; j < outs; j++) {
-            __m512 w[2];
-            decode_weights(group + header + (j0 + j) * row_bytes, bits, scales[j0 + j],
-                           bits == 4 ? scales[OUT_BLOCK + j0 + j] : 0.0f, w);
-            for (int i = 0; i < rows; i++) {
-                const float *row = x + (r + i) * k + g * GROUP;
-                acc[i][j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(row), acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(row + 16), acc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < outs; j++) y[(r + i) * n + first + j0 + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-/* y[m x n] = x @ W.T from float rows: eight rows a pass (the block's four outputs two at a time, so
- * the accumulators fit the 32 registers), then 4, 2 and 1 for the rest. */
-static inline __attribute__((always_inline)) void float_matmul(
-        const uint8_t *weight, const int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
-        int threads) {
-    const int64_t block_bytes = (k / GROUP) * group_stride(bits);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t b = 0; b < n / OUT_BLOCK; b++) {
-        const uint8_t *block = weight + b * block_bytes;
-        const int64_t first = b * OUT_BLOCK;
-        int64_t r = 0;
-        for (; r + 8 <= m; r += 8) {
-            float_outputs(block, bits, n, k, x, first, 0, 2, r, 8, y);
-            float_outputs(block, bits, n, k, x, first, 2, 2, r, 8, y);
-        }
-        if (m - r >= 4) {
-            float_outputs(block, bits, n, k, x, first, 0, 4, r, 4, y);
-            r += 4;
-        }
-        if (m - r >= 2) {
-            float_outputs(block, bits, n, k, x, first, 0, 4, r, 2, y);
-            r += 2;
-        }
-        if (m - r >= 1) float_outputs(block, bits, n, k, x, first, 0, 4, r, 1, y);
-    }
-}
-#endif
-
-#if defined(ZQ_AVX2) && !defined(ZQ_AVX512)
-/* AVX2: a row's 32 weights of a group as floats in four registers (codes 0-7, 8-15, 16-23, 24-31). */
-static inline void decode_weights_avx2(const uint8_t *codes, const int bits, float d, float lo, __m256 w[4]) {
+/* A row's 32 weights of a group as floats: codes 0-7, 8-15, 16-23 and 24-31 (4 bits: the low nibbles
+ * of bytes 0-15, then their high ones). */
+static inline void decode_weights(const uint8_t *codes, const int bits, float d, float lo, fvec w[4]) {
     const __m256 scale = _mm256_set1_ps(d);
     if (bits == 8) {
-        for (int q = 0; q < 4; q++)
-            w[q] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * q)))),
-                                 scale);
+        for (int q = 0; q < 4; q++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(codes + 8 * q));
+            w[q] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+        }
         return;
     }
     const __m256 offset = _mm256_set1_ps(lo);
@@ -372,39 +331,44 @@ static inline void decode_weights_avx2(const uint8_t *codes, const int bits, flo
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), scale, offset);
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), scale, offset);
 }
+#endif
 
-/* As float_outputs, in eight-lane registers: rows x outs accumulators, at most 8 of them (the 16
- * registers also hold the four of decoded weights). */
-static inline __attribute__((always_inline)) void float_outputs_avx2(
+/* Outputs first + j0 .. first + j0 + outs - 1 of one block for float rows r .. r + rows - 1 (rows and
+ * outs constants once inlined: rows x outs accumulators). Each group's float16 header is converted
+ * once (a per-output scalar conversion made one row 1.7x slower). A row's sums run in the same order
+ * whatever rows it shares a pass with, so its outputs do not depend on the batch. */
+static inline __attribute__((always_inline)) void float_outputs(
         const uint8_t *block, const int bits, int64_t n, int64_t k, const float *x, int64_t first, int j0,
         const int outs, int64_t r, const int rows, float *y) {
     const int64_t groups = k / GROUP, stride = group_stride(bits), row_bytes = code_bytes(bits);
     const int header = header_bytes(bits);
-    __m256 acc[8][4];
+    fvec acc[8][4];
     for (int i = 0; i < rows; i++)
-        for (int j = 0; j < outs; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < outs; j++) acc[i][j] = fvec_zero();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = block + g * stride;
-        float scales[2 * OUT_BLOCK];
+        float scales[2 * OUT_BLOCK]; /* the block's four scales, then (4 bits) its four offsets */
         if (bits == 4)
             _mm256_storeu_ps(scales, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group)));
         else
             _mm_storeu_ps(scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)group)));
         for (int j = 0; j < outs; j++) {
-            __m256 w[4];
-            decode_weights_avx2(group + header + (j0 + j) * row_bytes, bits, scales[j0 + j],
-                                bits == 4 ? scales[OUT_BLOCK + j0 + j] : 0.0f, w);
+            fvec w[GROUP / LANES];
+            decode_weights(group + header + (j0 + j) * row_bytes, bits, scales[j0 + j],
+                           bits == 4 ? scales[OUT_BLOCK + j0 + j] : 0.0f, w);
             for (int i = 0; i < rows; i++) {
                 const float *row = x + (r + i) * k + g * GROUP;
-                for (int q = 0; q < 4; q++) acc[i][j] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(row + 8 * q), acc[i][j]);
+                for (int q = 0; q < GROUP / LANES; q++) acc[i][j] = fvec_fmadd(w[q], fvec_load(row + LANES * q), acc[i][j]);
             }
         }
     }
     for (int i = 0; i < rows; i++)
-        for (int j = 0; j < outs; j++) y[(r + i) * n + first + j0 + j] = horizontal_sum(acc[i][j]);
+        for (int j = 0; j < outs; j++) y[(r + i) * n + first + j0 + j] = fvec_sum(acc[i][j]);
 }
 
-static inline __attribute__((always_inline)) void float_matmul_avx2(
+/* y[m x n] = x @ W.T from float rows: eight rows a pass (the block's outputs EIGHT_ROW_OUTS at a time,
+ * so the accumulators fit the registers), then 4, 2 and 1 for the rest. */
+static inline __attribute__((always_inline)) void float_matmul(
         const uint8_t *weight, const int bits, int64_t n, int64_t k, const float *x, int64_t m, float *y,
         int threads) {
     const int64_t block_bytes = (k / GROUP) * group_stride(bits);
@@ -413,18 +377,19 @@ static inline __attribute__((always_inline)) void float_matmul_avx2(
         const uint8_t *block = weight + b * block_bytes;
         const int64_t first = b * OUT_BLOCK;
         int64_t r = 0;
-        for (; r + 8 <= m; r += 8) /* one output a pass: 8 accumulators and 4 weight registers of the 16 */
-            for (int j = 0; j < OUT_BLOCK; j++) float_outputs_avx2(block, bits, n, k, x, first, j, 1, r, 8, y);
+        for (; r + 8 <= m; r += 8)
+            for (int j = 0; j < OUT_BLOCK; j += EIGHT_ROW_OUTS)
+                float_outputs(block, bits, n, k, x, first, j, EIGHT_ROW_OUTS, r, 8, y);
         if (m - r >= 4) {
-            float_outputs_avx2(block, bits, n, k, x, first, 0, 2, r, 4, y);
-            float_outputs_avx2(block, bits, n, k, x, first, 2, 2, r, 4, y);
+            for (int j = 0; j < OUT_BLOCK; j += FOUR_ROW_OUTS)
+                float_outputs(block, bits, n, k, x, first, j, FOUR_ROW_OUTS, r, 4, y);
             r += 4;
         }
         if (m - r >= 2) {
-            float_outputs_avx2(block, bits, n, k, x, first, 0, 4, r, 2, y);
+            float_outputs(block, bits, n, k, x, first, 0, 4, r, 2, y);
             r += 2;
         }
-        if (m - r >= 1) float_outputs_avx2(block, bits, n, k, x, first, 0, 4, r, 1, y);
+        if (m - r >= 1) float_outputs(block, bits, n, k, x, first, 0, 4, r, 1, y);
     }
 }
 #endif
@@ -437,9 +402,9 @@ int zq_linear(const uint8_t *weight, int bits, int64_t n, int64_t k, const float
 #ifdef ZQ_AVX2
     if (m >= FLOAT_MIN_ROWS && bits != 6) {
         if (bits == 4)
-            FLOAT_MATMUL(weight, 4, n, k, x, m, y, threads);
+            float_matmul(weight, 4, n, k, x, m, y, threads);
         else
-            FLOAT_MATMUL(weight, 8, n, k, x, m, y, threads);
+            float_matmul(weight, 8, n, k, x, m, y, threads);
         return 0;
     }
 #endif
