@@ -216,7 +216,6 @@ def test_rope_and_store_match_the_reference(products, tokens, with_queries):
     assert torch.equal(caches[2], before)
 
 
-
 @pytest.mark.parametrize("head_dim", [128, 80])  # two register passes of 64 values; a width that takes neither
 def test_decode_attention_of_other_head_widths_matches_the_reference(products, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
@@ -225,6 +224,7 @@ def test_decode_attention_of_other_head_widths_matches_the_reference(products, h
     want = paged_decode_attention(query, k_cache, v_cache, tables, context, head_dim ** -0.5)
     got = products.decode_attention(query, k_cache, v_cache, tables, context, head_dim ** -0.5, threads=2)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
 
 def test_decode_attention_refuses_what_does_not_fit(products):
     gen = torch.Generator().manual_seed(9)
