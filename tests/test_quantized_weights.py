@@ -259,9 +259,9 @@ def test_q6_k_layers_run_in_one_native_call_beside_q5_0(capsys):
 
 
 @needs_fbgemm
-def test_fused_parts_of_different_layouts_run_a_product_each(capsys):
+def test_fused_parts_of_different_layouts_run_a_product_for_each_layout(capsys):
     """llama.cpp's Q4_K_M mix where widths are multiples of 256: Q4_K q and k beside a Q6_K v. The
-    fused q/k/v runs in integer dots as a product a part (not on its float16 copy)."""
+    fused q/k/v runs in integer dots (not on its float16 copy): q and k as one product, v as another."""
     config = config_of_k_quant_widths()
     layers = config.num_hidden_layers
     v_and_down = {f"blk.{i}.{name}.weight": "Q6_K" for i in range(layers) for name in ("attn_v", "ffn_down")}
@@ -272,7 +272,9 @@ def test_fused_parts_of_different_layouts_run_a_product_each(capsys):
     assert capsys.readouterr().err == ""
     for layer in quant.runner.model.model.layers:
         parts = layer.self_attn.qkv_proj.quant.short
-        assert isinstance(parts, NativeParts) and [p.weight.bits for p in parts.parts] == [4, 4, 6]
+        assert isinstance(parts, NativeParts) and [p.weight.bits for p in parts.parts] == [4, 6]
+        q_and_k = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
+        assert [p.weight.shape[0] for p in parts.parts] == [q_and_k, config.num_key_value_heads * config.head_dim]
         assert layer.native is None  # one native call a layer takes one product a projection
     assert_decode_follows_float32(quant, plain, list(range(3, 15)))
 

@@ -7,7 +7,7 @@ stored times activations quantized to int16 per 32 values, summed in integer uni
 codes decoded to float32 in registers, times the float32 activations), for products of at most
 NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a decode step's layers and the LM head). Fused parts (q/k/v,
 gate/up) of different types run as one product where they share a layout (Q5_0 beside Q8_0, as
-llama.cpp's Q4_K_M files mix them), else as a product a part (`NativeParts`). Where no C compiler
+llama.cpp's Q4_K_M files mix them), else as a product for each run of same-layout parts (`NativeParts`). Where no C compiler
 builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
 `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
@@ -97,7 +97,8 @@ class NativeWeight(nn.Module):
 
 class NativeParts(nn.Module):
     """Fused parts (q/k/v, gate/up) in different native layouts (Q4_K's q and k beside a Q6_K v, as
-    llama.cpp's Q4_K_M files have them): a product a part, their outputs side by side."""
+    llama.cpp's Q4_K_M files have them): a product for each run of neighbours sharing a layout (q and
+    k together, v alone), their outputs side by side."""
 
     def __init__(self, parts: list[NativeWeight]):
         super().__init__()
@@ -292,28 +293,36 @@ def install_quantized(model, source, map_name) -> WeightReport:
 
 EMBEDDING = "model.embed_tokens.weight"
 TIED_HEAD = "tied_lm_head"  # a tied head's quantized form, packed from the embedding's codes
-CACHE_FORMAT = "zipage quantized forms 3"  # bump when the cached forms change
+CACHE_FORMAT = "zipage quantized forms 4"  # bump when the cached forms change
 
 
 def _form_keys(target: str, kind: str | None, parts: dict | None = None) -> list[str]:
     """The names of a weight's quantized form: the embedding's codes, scales and offsets, a native
-    weight's blocks (each part's where fused parts differ in layout), else Int4Weight's two tensors."""
+    weight's blocks (each run of same-layout parts' where fused parts differ in layout), else
+    Int4Weight's two tensors."""
     if target == EMBEDDING:
         fields = ("codes", "scale", "low")
     elif kind == "native":
-        shards = _shards_by_layout(parts)
-        fields = ("blocks",) if shards is None else tuple(f"blocks.{shard}" for shard in shards)
+        runs = _runs_by_layout(parts)
+        fields = ("blocks",) if runs is None else tuple(f"blocks.{'+'.join(map(str, run))}" for run in runs)
     else:
         fields = ("packed", "scales_zeros")
     return [f"{target}.{field}" for field in fields]
 
 
-def _shards_by_layout(parts: dict | None) -> list[str] | None:
-    """A fused weight's shards, in order, where its parts differ in native layout (each is then a
-    product of its own); None where they share one."""
+def _runs_by_layout(parts: dict | None) -> list[list[str]] | None:
+    """A fused weight's shards in order, in runs of neighbours that share a native layout (each run is
+    then one product: Q4_K q and k together, a Q6_K v on its own), where its parts differ in layout;
+    None where they all share one."""
     if not parts or len({NATIVE_BITS[t.qtype] for t in parts.values()}) == 1:
         return None
-    return sorted(parts, key=_shard_order)
+    runs: list[list[str]] = []
+    for shard in sorted(parts, key=_shard_order):
+        if runs and NATIVE_BITS[parts[runs[-1][0]].qtype] == NATIVE_BITS[parts[shard].qtype]:
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    return runs
 
 
 def _native_blocks(groups: GroupedCodes, round_to_half: bool) -> torch.Tensor:
@@ -376,8 +385,8 @@ class QuantizedWeights:
 
     @staticmethod
     def forms(planned: dict) -> dict[str, torch.Tensor]:
-        """The planned weights decoded and packed: "<key>.blocks" of a native weight (".blocks.<shard>" of
-        each part where fused parts differ in layout), "<key>.packed" and "<key>.scales_zeros" of an int4
+        """The planned weights decoded and packed: "<key>.blocks" of a native weight (".blocks.<q+k>" of
+        each run of same-layout parts where fused parts differ in layout), "<key>.packed" and "<key>.scales_zeros" of an int4
         one, "<key>.codes", ".scale" and ".low" of the embedding."""
         forms, embedding = {}, None
         for key, (kind, parts) in planned.items():
@@ -385,10 +394,9 @@ class QuantizedWeights:
                 embedding = parts[None].groups() if embedding is None else embedding
                 pieces = [(embedding, parts[None].qtype in HALF_ROUNDED_TYPES)]
             else:
-                shards = sorted(parts, key=_shard_order)
-                pieces = [(parts[s].groups(), parts[s].qtype in HALF_ROUNDED_TYPES) for s in shards]
-                if kind != "native" or _shards_by_layout(parts) is None:  # one product of the stacked parts
-                    pieces = [(_concat([groups for groups, _ in pieces]), any(rounded for _, rounded in pieces))]
+                runs = (kind == "native" and _runs_by_layout(parts)) or [sorted(parts, key=_shard_order)]
+                pieces = [(_concat([parts[s].groups() for s in run]), any(parts[s].qtype in HALF_ROUNDED_TYPES for s in run))
+                          for run in runs]  # one product a run (all the parts, where they share a layout)
             if key == EMBEDDING:
                 groups = pieces[0][0]
                 values = (groups.codes, groups.scale, groups.low)
@@ -425,7 +433,7 @@ class QuantizedWeights:
     @staticmethod
     def _short_form(parts: dict[str | None, QuantizedTensor], kernels: Kernels) -> tuple[str | None, str | None]:
         kind, why = kernels.short_form({t.qtype for t in parts.values()}, sum(t.shape[0] for t in parts.values()))
-        if kind == "native" and _shards_by_layout(parts) is not None and any(t.shape[0] % OUT_BLOCK for t in parts.values()):
+        if kind == "native" and _runs_by_layout(parts) is not None and any(t.shape[0] % OUT_BLOCK for t in parts.values()):
             return None, f"integer dots need a multiple of {OUT_BLOCK} output rows in each fused part"
         return kind, why
 
