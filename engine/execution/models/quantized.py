@@ -7,8 +7,8 @@ stored times activations quantized to int16 per 32 values, summed in integer uni
 codes decoded to float32 in registers, times the float32 activations), for products of at most
 NATIVE_MAX_ROWS rows (LAYER_MAX_ROWS for a decode step's layers and the LM head). Fused parts (q/k/v,
 gate/up) of different types run as one product where they share a layout (Q5_0 beside Q8_0, as
-llama.cpp's Q4_K_M files mix them), else as a product for each run of same-layout parts (`NativeParts`). Where no C compiler
-builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
+llama.cpp's Q4_K_M files mix them), else as a product for each run of same-layout parts
+(`NativeParts`). Where no C compiler builds the native kernels, every 4-bit type runs on PyTorch's own int4 CPU kernel,
 `_weight_int4pack_mm_for_cpu`, with bf16 activations and bf16 scales-and-zeros (its fp32 path is a scalar loop, ~20x slower), for products of at most
 INT4_MAX_ROWS rows. Longer products (prefill chunks, larger batches) and every quantized type without
 a kernel run on the weight's float16 copy (`cpu_products.HalfWeight`, FBGEMM), which holds the file's
@@ -21,6 +21,7 @@ and why.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -304,7 +305,7 @@ def _form_keys(target: str, kind: str | None, parts: dict | None = None) -> list
         fields = ("codes", "scale", "low")
     elif kind == "native":
         runs = _runs_by_layout(parts)
-        fields = ("blocks",) if runs is None else tuple(f"blocks.{'+'.join(map(str, run))}" for run in runs)
+        fields = ("blocks",) if runs is None else tuple(f"blocks.{'+'.join(run)}" for run in runs)
     else:
         fields = ("packed", "scales_zeros")
     return [f"{target}.{field}" for field in fields]
@@ -316,13 +317,8 @@ def _runs_by_layout(parts: dict | None) -> list[list[str]] | None:
     None where they all share one."""
     if not parts or len({NATIVE_BITS[t.qtype] for t in parts.values()}) == 1:
         return None
-    runs: list[list[str]] = []
-    for shard in sorted(parts, key=_shard_order):
-        if runs and NATIVE_BITS[parts[runs[-1][0]].qtype] == NATIVE_BITS[parts[shard].qtype]:
-            runs[-1].append(shard)
-        else:
-            runs.append([shard])
-    return runs
+    in_order = sorted(parts, key=_shard_order)
+    return [list(run) for _, run in itertools.groupby(in_order, key=lambda shard: NATIVE_BITS[parts[shard].qtype])]
 
 
 def _native_blocks(groups: GroupedCodes, round_to_half: bool) -> torch.Tensor:
@@ -386,8 +382,8 @@ class QuantizedWeights:
     @staticmethod
     def forms(planned: dict) -> dict[str, torch.Tensor]:
         """The planned weights decoded and packed: "<key>.blocks" of a native weight (".blocks.<q+k>" of
-        each run of same-layout parts where fused parts differ in layout), "<key>.packed" and "<key>.scales_zeros" of an int4
-        one, "<key>.codes", ".scale" and ".low" of the embedding."""
+        each run of same-layout parts where fused parts differ in layout), "<key>.packed" and
+        "<key>.scales_zeros" of an int4 one, "<key>.codes", ".scale" and ".low" of the embedding."""
         forms, embedding = {}, None
         for key, (kind, parts) in planned.items():
             if key in (EMBEDDING, TIED_HEAD):  # decoded once for both
@@ -395,8 +391,9 @@ class QuantizedWeights:
                 pieces = [(embedding, parts[None].qtype in HALF_ROUNDED_TYPES)]
             else:
                 runs = (kind == "native" and _runs_by_layout(parts)) or [sorted(parts, key=_shard_order)]
-                pieces = [(_concat([parts[s].groups() for s in run]), any(parts[s].qtype in HALF_ROUNDED_TYPES for s in run))
-                          for run in runs]  # one product a run (all the parts, where they share a layout)
+                # one product a run (all the parts, where they share a layout)
+                pieces = [(_concat([parts[s].groups() for s in run]),
+                           any(parts[s].qtype in HALF_ROUNDED_TYPES for s in run)) for run in runs]
             if key == EMBEDDING:
                 groups = pieces[0][0]
                 values = (groups.codes, groups.scale, groups.low)
