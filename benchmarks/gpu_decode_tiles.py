@@ -17,6 +17,9 @@ import torch
 import bench_common
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
 def cases(args):
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
@@ -77,7 +80,7 @@ def main(argv=None) -> dict:
                                      ("int8", coded["int8"], entries * (dim + 4) * 2)):
             call = attend(cache)
             row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
-                   "warps": warps or triton_attention.decode_warps(label != "bf16")}
+                   "warps": warps or triton_attention.decode_launch(DTYPES[label]).warps}
             if label != "bf16":
                 expected = ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **cache)

@@ -110,7 +110,7 @@ def window_inputs(group, head_dim, block_size, window, kv_len, seed, codes_dtype
 
 @by_code
 @pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (4, 128, 16), (8, 64, 16), (4, 16, 16),
-                                                       (2, 64, 256)])
+                                                       (2, 64, 256), (2, 80, 256)])
 def test_8bit_decode_attention(group, head_dim, block_size, codes_dtype):
     args, cache, _ = decode_inputs(group, head_dim, block_size, seed=group * 1000 + head_dim + block_size,
                                    codes_dtype=codes_dtype)
@@ -145,6 +145,22 @@ def test_8bit_decode_fp16_queries(codes_dtype):
     out = tatt.paged_decode_attention(**args, **cache)
     assert out.dtype == torch.float16
     assert relative_error(out, ref.paged_decode_attention(**args, **cache)) < FP16_ERROR
+
+
+@pytest.mark.parametrize("value_size", [1e-3, 1.0, 1e3])
+def test_fp8_decode_fp16_products_keep_small_and_large_values(value_size):
+    """An fp8 cache meets fp16 queries in fp16 products (DECODE_LAUNCH), in whole tiles (block 256)
+    and a part tile. Values of any magnitude a model stores come out within fp16's rounding: the
+    probabilities are weighed by scale x FP16_VALUE_WEIGHT, so rows of 1e-3 do not sink into fp16
+    subnormals and rows of 1e3 do not overflow."""
+    args, cache, _ = decode_inputs(2, 64, 256, seed=9, codes_dtype=torch.float8_e4m3fn, dtype=torch.float16,
+                                   lens=[290, 257, 64])
+    cache = dict(cache, v_scales=cache["v_scales"] * value_size)
+    assert tatt.decode_launch(torch.float8_e4m3fn).fp16_products
+    out = tatt.paged_decode_attention(**args, **cache)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    exact = ref.paged_decode_attention(**dict(args, query=args["query"].float()), **cache)  # (fp16 would overflow)
+    assert relative_error(out, exact) < FP16_ERROR
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,8 +94,9 @@ def test_store_queries():
 # ---------------------------------------------------------------------------------------------
 # Decode attention
 
-DECODE_CASES = [  # (group, head_dim, block_size)
+DECODE_CASES = [  # (group, head_dim, block_size); 80: a head narrower than its padded tile
     (1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 16, 16), (2, 8, 16), (4, 128, 256), (1, 64, 256),
+    (2, 80, 256), (2, 80, 16),
 ]
 
 
@@ -128,6 +129,23 @@ def test_decode_split_k_equals_unsplit(block_size, ways, min_partition, block_n)
     split = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=min_partition, block_n=block_n)
     close(split, unsplit, rtol=1e-5, atol=1e-6)
     close(split, ref.paged_decode_attention(*args))
+
+
+def test_decode_whole_tiles_match_masked_loop(monkeypatch):
+    """Whole key tiles take an unmasked loop (one base address a tile); with it off every tile takes
+    the masked one. Same results, for contexts of whole tiles, a part tile, and one short of a block,
+    and under a register cap (which the interpreter ignores; the argument must still pass)."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [256, 300, 255, 64, 3]
+    k_cache, v_cache, tables = paged_cache(lens, 256, KV_HEADS, 64, gen)
+    query = torch.randn(len(lens), KV_HEADS * 2, 64, generator=gen)
+    args = (query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    monkeypatch.setitem(tatt.DECODE_LAUNCH, "model", tatt.DecodeLaunch(4, whole_tiles=True))
+    whole = tatt.paged_decode_attention_impl(*args, max_registers=128)
+    monkeypatch.setitem(tatt.DECODE_LAUNCH, "model", tatt.DecodeLaunch(4, whole_tiles=False))
+    masked = tatt.paged_decode_attention_impl(*args)
+    close(whole, masked, rtol=1e-5, atol=1e-6)
+    close(whole, ref.paged_decode_attention(*args))
 
 
 def test_decode_partition_heuristic():

@@ -69,6 +69,22 @@ def codes_and_scales(codes, scales_ptr, blk, off, kvh, row_ok, ss_b, ss_o, ss_h,
     return codes.to(dtype), scales
 
 
+# fp16 products weigh probabilities by value scales times this (a power of two: exact), undone on the
+# output. A scale is a row's largest magnitude / 448, so weights of p * scale alone would fall below
+# fp16's normal range (6.1e-5) for rows under 0.03 and lose bits; times 1024 they stay normal down to
+# rows of 2.7e-5, and finite up to 28,658 (far past any value a bf16 model stores).
+FP16_VALUE_WEIGHT = tl.constexpr(1024.0)
+
+
+@triton.jit
+def weigh_by_value_scales(p, v_scales, F16: tl.constexpr):
+    """Probabilities p [rows, keys] weighed by each key's value scale, ready for P @ V (times
+    FP16_VALUE_WEIGHT for fp16 products)."""
+    if F16:
+        v_scales = v_scales * FP16_VALUE_WEIGHT
+    return p * v_scales[None, :]
+
+
 @triton.jit
 def softmax_fold(s, m_i, l_i):
     """Online softmax in base 2: the running row max and sum after one more tile of scores s
@@ -86,12 +102,12 @@ def _attend_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh,
     d, d_ok, scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, F16: tl.constexpr = False,
 ):
     """Fold the key tile at positions t (valid where t_ok) of one kv head, read through the block
     table, into the running (max, sum, accumulator) of the query rows q. CAUSAL also hides keys
     past each row's position q_pos; without it only missing keys are hidden. QUANT: the caches hold
-    codes, their scales at ks_ptr, vs_ptr (strides ss_*)."""
+    codes, their scales at ks_ptr, vs_ptr (strides ss_*); F16: q is fp16 and so are the products."""
     blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
     off = t % BLOCK_SIZE
     kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -111,9 +127,39 @@ def _attend_tile(
                 mask=kv_mask, other=0.0)
     if QUANT:  # a value's scale weighs its probability
         v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
-        p = p * v_scales[None, :]
+        p = weigh_by_value_scales(p, v_scales, F16)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok, scale_log2,
+                       FULL_D: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr):
+    """_attend_tile for a tile whose keys are all valid, read through pointers [keys, D] (and [keys]
+    for the scales): no masks but a head width short of its power of two (FULL_D false), and every
+    query row sees a key, so the softmax needs no -inf guard."""
+    if FULL_D:
+        k = tl.load(k_tile)
+    else:
+        k = tl.load(k_tile, mask=d_ok[None, :], other=0.0)
+    logit_scale = scale_log2
+    if QUANT:
+        logit_scale = (tl.load(ks_tile) * scale_log2)[None, :]
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FULL_D:
+        v = tl.load(v_tile)
+    else:
+        v = tl.load(v_tile, mask=d_ok[None, :], other=0.0)
+    if QUANT:
+        p = weigh_by_value_scales(p, tl.load(vs_tile), F16)
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +220,7 @@ def _decode_partition_kernel(
     s_ob, s_oh, s_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -202,19 +248,39 @@ def _decode_partition_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if not QUANT:  # (8-bit codes are converted to the query's dtype instead)
         q = q.to(k_ptr.dtype.element_ty)
+    if F16:  # e4m3 codes take fp16 products (see DecodeLaunch)
+        q = q.to(tl.float16)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     table_row = table_ptr + b.to(tl.int64) * s_tb
     n = tl.arange(0, BLOCK_N)
-    for t0 in range(start, end, BLOCK_N):
+    tail = start
+    if WHOLE_TILES and BLOCK_N <= BLOCK_SIZE:
+        # Whole tiles first: every key valid and in one block, so one table entry and one base
+        # address a tile, no masks (docs/design-notes.md, "KV in 8 bits").
+        tail = start + (end - start) // BLOCK_N * BLOCK_N
+        rel_k = n[:, None] * s_ko + kvh * s_kh + d[None, :] * s_kd
+        rel_v = n[:, None] * s_vo + kvh * s_vh + d[None, :] * s_vd
+        rel_s = n * ss_o + kvh * ss_h
+        for t0 in range(start, tail, BLOCK_N):
+            blk = tl.load(table_row + (t0 // BLOCK_SIZE) * s_tn).to(tl.int64)
+            off0 = tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N)  # tiles start at multiples of BLOCK_N
+            m_i, l_i, acc = _attend_whole_tile(q, m_i, l_i, acc, k_ptr + blk * s_kb + off0 * s_ko + rel_k,
+                                               v_ptr + blk * s_vb + off0 * s_vo + rel_v,
+                                               ks_ptr + blk * ss_b + off0 * ss_o + rel_s,
+                                               vs_ptr + blk * ss_b + off0 * ss_o + rel_s,
+                                               d_ok, scale_log2, HEAD_DIM == D_PAD, PREC, QUANT, F16)
+    for t0 in range(tail, end, BLOCK_N):
         t = t0 + n
         # Every key of the context precedes the one query, so nothing is causally hidden.
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn,
                                      table_width, t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
-                                     BLOCK_N, BLOCK_SIZE, False, PREC, QUANT)
+                                     BLOCK_N, BLOCK_SIZE, False, PREC, QUANT, F16)
+    if F16:
+        acc = acc * (1.0 / FP16_VALUE_WEIGHT)
 
     if SINGLE:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -266,11 +332,32 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def decode_warps(codes: bool) -> int:
-    """Warps per decode program: 4, or 2 for an 8-bit cache, whose products and conversions per
-    byte are twice bf16's; 2 warps were 4-11% faster than 4 (and than 128-key tiles) on the H200
-    across the shapes of docs/benchmarks.md, "KV in 8 bits"."""
-    return 2 if codes else 4
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the decode kernel runs over one kind of cache: warps a program, keys a step of its loop,
+    a cap on registers a thread (None: the compiler's choice), whether whole tiles take the unmasked
+    loop, and whether 8-bit codes meet 16-bit queries in fp16 products."""
+    warps: int
+    tile: int = DECODE_TILE
+    max_registers: int | None = None
+    whole_tiles: bool = True
+    fp16_products: bool = False
+
+
+# Per cache: chosen on an H100 over Qwen3-0.6B and -8B attention shapes (docs/benchmarks.md,
+# "Decode attention over 8-bit codes: whole tiles and fp16 products"). A cache in the model's dtype
+# keeps the masked loop (whole tiles were no faster where its batches fill the GPU). An int8 tile
+# does twice bf16's products and conversions per byte read, so its programs are 2 warps, capped to
+# keep six on an SM. e4m3 codes convert to fp16 in one instruction a pair, to bf16 in three (two
+# of them at a quarter of the ALU's rate), so an fp8 cache meets fp16 queries.
+DECODE_LAUNCH = {"model": DecodeLaunch(4, whole_tiles=False),
+                 torch.int8: DecodeLaunch(2, max_registers=168),
+                 torch.float8_e4m3fn: DecodeLaunch(4, fp16_products=True)}
+
+
+def decode_launch(cache_dtype: torch.dtype) -> DecodeLaunch:
+    """The decode launch for a cache of this dtype (8-bit codes, or the model's dtype)."""
+    return DECODE_LAUNCH.get(cache_dtype, DECODE_LAUNCH["model"])
 
 
 def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
@@ -289,9 +376,11 @@ def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_siz
 def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
                                 num_partitions: int | None = None, min_partition: int | None = None,
                                 block_n: int | None = None, k_scales=None, v_scales=None,
-                                num_warps: int | None = None, num_stages: int = 2):
+                                num_warps: int | None = None, num_stages: int = 2,
+                                max_registers: int | None = None):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
-    shortest partition in tokens (a multiple of the key tile), the key tile, warps and stages."""
+    shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages and a cap
+    on registers per thread."""
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
@@ -299,8 +388,10 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    tile = block_n or DECODE_TILE
-    num_warps = num_warps or decode_warps(k_cache.dtype in CODE_DTYPES)
+    launch = decode_launch(k_cache.dtype)
+    tile = block_n or launch.tile
+    num_warps = num_warps or launch.warps
+    max_registers = max_registers or launch.max_registers
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
     if min_partition is None:
@@ -326,7 +417,9 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
+        WHOLE_TILES=launch.whole_tiles, F16=quant and launch.fp16_products and query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages, **early,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     if not single:
         _decode_reduce_kernel[(batch, q_heads)](
