@@ -1,0 +1,45 @@
+"""The decode attention kernel's launches compile for Hopper as the engine runs them: each within its
+register cap and without spilling, so as many programs share an SM as the launch was chosen for
+(docs/design-notes.md, "KV in 8 bits"). benchmarks/decode_sass.py compiles with Triton's own ptxas
+and cuobjdump, so no GPU is needed; a kernel change that made a launch spill fails here, not only in
+a timing on the device."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+pytestmark = pytest.mark.skipif(not (TOOLS / "cuobjdump").exists() or not (TOOLS / "ptxas").exists(),
+                                reason="this Triton carries no CUDA tools")
+
+
+def compile_launch(tmp_path, *args) -> dict:
+    out = tmp_path / "sass.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_sass.py"), *args, "--json", str(out)],
+                   check=True, env=env, capture_output=True, text=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("cache,programs", [("int8", 6), ("fp8", 3), ("bf16", 5)])
+def test_decode_launch_fits_its_programs_without_spills(tmp_path, cache, programs):
+    result = compile_launch(tmp_path, "--cache", cache)
+    assert result["stack"] == 0 and result["local"] == 0, result
+    assert result["max_registers"] is None or result["reg"] <= result["max_registers"]
+    assert result["programs_per_sm_by_registers"] >= programs, result
+    assert result["loops"] and all(loop["mix"].get("HMMA", 0) > 0 for loop in result["loops"])
+
+
+def test_whole_tiles_cut_the_int8_loop(tmp_path):
+    """The unmasked loop over whole tiles runs fewer instructions a tile than the masked one."""
+    whole = compile_launch(tmp_path, "--cache", "int8")["loops"][0]["instructions"]
+    masked = compile_launch(tmp_path, "--cache", "int8", "--masked")["loops"][0]["instructions"]
+    assert whole < 0.9 * masked, (whole, masked)
