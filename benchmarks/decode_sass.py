@@ -86,10 +86,10 @@ def main(argv=None) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from zipage.engine.execution.model_runner import KV_CODE_DTYPES
     from zipage.kernels import triton_attention as ta
 
-    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[args.cache]
-    launch = ta.decode_launch(dtype)
+    launch = ta.decode_launch(KV_CODE_DTYPES.get(args.cache, torch.bfloat16))
     warps, tile = args.warps or launch.warps, args.tile or launch.tile
     cap = launch.max_registers if args.max_registers is None else (args.max_registers or None)
     constexprs = dict(GROUP=args.group, G_PAD=max(16, ta.next_pow2(args.group)), HEAD_DIM=args.head_dim,

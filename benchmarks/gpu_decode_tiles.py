@@ -17,9 +17,6 @@ import torch
 import bench_common
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-
-
 def cases(args):
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
@@ -45,6 +42,7 @@ def main(argv=None) -> dict:
 
     from zipage import kernels
     from zipage.kernels import reference as ref
+    from zipage.engine.execution.model_runner import KV_CODE_DTYPES
     from zipage.kernels import triton_attention
     from zipage.testing import random_paged_cache
 
@@ -80,7 +78,7 @@ def main(argv=None) -> dict:
                                      ("int8", coded["int8"], entries * (dim + 4) * 2)):
             call = attend(cache)
             row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
-                   "warps": warps or triton_attention.decode_launch(DTYPES[label]).warps}
+                   "warps": warps or triton_attention.decode_launch(KV_CODE_DTYPES.get(label, torch.bfloat16)).warps}
             if label != "bf16":
                 expected = ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **cache)
