@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the parser with their common flags (--model, --json, and those
 of the requests they serve: a fixed batch or a seeded random workload), the random workload itself,
-the description of the hardware a result was measured on, writing a result to --json, and capturing
-a function's launches in a CUDA graph.
+the description of the hardware a result was measured on, writing a result to --json, capturing
+a function's launches in a CUDA graph, and the GPU time a function spends per kernel.
 
 The scripts run as `python benchmarks/NAME.py`, which puts this folder first on sys.path, so they
 import this module by its plain name.
@@ -97,3 +97,24 @@ def graph_of(fn):
     graph.replay()
     torch.cuda.synchronize()
     return graph, out
+
+
+def kernel_breakdown(fn, top: int = 12, calls: int = 1) -> list[dict]:
+    """GPU time per kernel name over `calls` calls of fn (torch.profiler; kernels a CUDA graph
+    launches count too), per call, largest first. Work fn leaves in flight on other streams
+    is counted once it has run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            row = totals.setdefault(e.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "count": round(c / calls, 2), "us": round(us / calls, 1)} for k, (c, us) in rows]

@@ -1188,7 +1188,8 @@ def _coded_paged(lens, s: Sizes, head_dim: int, gen, codes: torch.dtype, extra_c
 
 def check_codes(report: Report, s: Sizes, gen, name: str):
     """An 8-bit cache's kernels (name: fp8 or int8) against the reference on the same codes and
-    scales: the stores (codes and scales of each entry), compaction (bit-exact moves), decode and
+    scales: the stores (codes and scales of each entry), compaction (bit-exact moves), the gather
+    that feeds the redundancy score (bit-exact dequantized values), decode and
     prefill attention and the window score (on dequantized values); and how far its attention lies
     from attention over the unquantized K/V."""
     from zipage.kernels import triton_attention, triton_cache, triton_fused, triton_scores
@@ -1253,6 +1254,18 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
         report.check(f"{name} compact_kv (overlapping)", float(diff), 0, f"{kv_len} -> {keep} entries, codes and scales",
                      exact=True)
 
+    def gather():
+        kv_len = (s.budget_blocks + 1) * s.block_size - 3
+        k_codes, _, k_scales, _, tables, (keys, _) = _coded_paged([kv_len], s, s.head_dim, gen, fp8, extra_cols=0)
+        table = tables[0].long()
+        diff = 0
+        for codes, scales in ((k_codes, k_scales), (keys, None)):  # the codes, and the model-dtype cache
+            out = triton_cache.gather_kv(codes, table, kv_len, scales, dt)
+            expected = ref.gather_kv(codes, table, kv_len, scales, dt)
+            diff += int((out != expected).sum())
+        report.check(f"{name} gather_kv", float(diff), 0, f"{kv_len} entries dequantized into {dt}, and the {dt} cache",
+                     exact=True)
+
     def decode(label, lens, ways=None):
         k_codes, v_codes, k_scales, v_scales, tables, (keys, values) = _coded_paged(lens, s, s.head_dim, gen, fp8)
         query = randn((len(lens), s.q_heads, s.head_dim), gen, dev, dt)
@@ -1308,6 +1321,7 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
 
     report.attempt(f"{name} stores", stores)
     report.attempt(f"{name} compaction", compaction)
+    report.attempt(f"{name} gather", gather)
     report.attempt(f"{name} decode", decode, f"{name} decode B{s.decode_batch}", torch.randint(
         1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist())
     report.attempt(f"{name} decode split", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx])

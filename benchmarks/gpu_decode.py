@@ -156,24 +156,6 @@ def count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def kernel_breakdown(fn, top: int = 12) -> list[dict]:
-    """GPU time per kernel name over one call of fn, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            row = totals.setdefault(e.name[:90], [0, 0.0])
-            row[0] += 1
-            row[1] += e.device_time_total
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-    return [{"kernel": k, "count": c, "us": round(us, 1)} for k, (c, us) in rows]
-
-
 def replay_ms(graph, repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
@@ -218,7 +200,7 @@ def step_profile(engine, seed: int, profile_path: str | None = None) -> dict:
         engine.step()
     runner = engine.runner
     graphs = runner.graphs
-    result = {"graph_kernels_per_step": count_kernels(engine.step), "graph_step_kernels": kernel_breakdown(engine.step)}
+    result = {"graph_kernels_per_step": count_kernels(engine.step), "graph_step_kernels": bench_common.kernel_breakdown(engine.step)}
     runner.graphs = None
     result["eager_kernels_per_step"] = count_kernels(engine.step)
     result["eager_step_ms_median"] = statistics.median(timed_steps(engine, 30))

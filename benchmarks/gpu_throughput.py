@@ -43,11 +43,13 @@ def synchronize() -> None:
 
 
 def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log,
-               profile_path: str | None = None, max_seconds: float | None = None) -> dict:
+               profile_path: str | None = None, max_seconds: float | None = None,
+               kernel_table_steps: int = 0) -> dict:
     """Serve the workload to the end (or for max_seconds). Besides the whole run, it reports the
     saturated phase: from the first finished request until the waiting queue empties for the last
     time. There finished requests are replaced at once, so the pool, not the drain of the last
-    requests, sets concurrency: the steady state of a server under load."""
+    requests, sets concurrency: the steady state of a server under load. With kernel_table_steps,
+    the GPU time per kernel and step over that many steps, 200 steps into the saturated phase."""
     from zipage.engine.config import EngineConfig, SamplingParams
     from zipage.engine.core.engine_core import EngineCore
     from zipage.engine.events import Compressed
@@ -67,6 +69,9 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
     start = time.perf_counter()
     last_log = start
     profiler = None
+    kernel_table = None
+    profiled = None  # (seconds, tokens, steps) of the profiled steps, left out of the saturated phase
+    profiled_until = 0  # the step count once they were done
     while engine.has_work():
         if profile_path and steps == 1000:  # host-side cost of 200 steady-state steps
             import cProfile
@@ -80,6 +85,13 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
             saturated_from = mark
         if saturated_from is not None and engine.scheduler.waiting:
             saturated_to = mark
+            if kernel_table_steps and kernel_table is None and steps >= saturated_from[2] + 200:
+                tokens = engine.totals["generated_tokens"]
+                kernel_table = saturated_kernel_table(engine, kernel_table_steps)
+                steps += kernel_table_steps
+                profiled = (time.perf_counter() - start - mark[0], engine.totals["generated_tokens"] - tokens,
+                            kernel_table_steps)
+                profiled_until = steps
         if profiler is not None and steps == 1200:
             profiler.disable()
             import pstats
@@ -104,6 +116,9 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
     saturated = None
     if saturated_from and saturated_to and saturated_to[0] > saturated_from[0]:
         span = [b - a for a, b in zip(saturated_from, saturated_to)]
+        if profiled is not None and saturated_to[2] >= profiled_until:
+            # the profiler slows the host several times over: its steps are not the engine's pace
+            span = [a - b for a, b in zip(span, profiled)]
         saturated = {"tok_per_s": span[1] / span[0], "seconds": span[0], "tokens": span[1],
                      "mean_tokens_per_step": span[1] / max(span[2], 1)}
     result = {"cut_off": cut_off, "saturated": saturated, "mean_step_ms": 1000 * seconds / max(steps, 1),
@@ -116,12 +131,31 @@ def run_engine(model: str, prompts, outputs, mode: str, engine_kwargs: dict, log
               "block_size": engine.block_size, "query_slots": engine.runner.num_query_slots,
               "peak_blocks_per_request_sampled": peak_blocks_per_req,
               "kv_pool_gb": engine.runner.kv_bytes / (1 << 30)}
+    if kernel_table is not None:
+        result["saturated_kernel_table"] = kernel_table
     engine.close()
     del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def saturated_kernel_table(engine, steps: int) -> dict:
+    """Where a saturated step's GPU time goes: kernels per step over `steps` steps, and the wall time
+    and requests decoded per step meanwhile. The profiler slows the host several times over, so
+    these steps are left out of the saturated phase's rate."""
+    running = []
+    start = time.perf_counter()
+
+    def step():
+        running.append(len(engine.scheduler.running))
+        engine.step()
+
+    table = bench_common.kernel_breakdown(step, top=25, calls=steps)
+    return {"steps": steps, "wall_ms_per_step": 1e3 * (time.perf_counter() - start) / steps,
+            "mean_running": sum(running) / steps, "gpu_us_per_step_top25": round(sum(r["us"] for r in table), 1),
+            "kernels": table}
 
 
 def run_hf(model: str, prompts, outputs, log) -> dict:
@@ -186,6 +220,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop each engine mode after this long (its saturated phase still counts)")
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
+    parser.add_argument("--kernel-table-steps", type=int, default=0,
+                        help="record GPU time per kernel over this many saturated steps of each engine mode")
     args = bench_common.parse_args(parser, argv)
 
     from zipage.cli.bench import kv_footprint
@@ -212,7 +248,8 @@ def main(argv=None) -> dict:
         try:
             if mode in ("zipage", "elastic", "zipage-fp8", "zipage-int8", "fullkv"):
                 profile = f"{args.profile_dir}/profile_{mode}.txt" if args.profile_dir else None
-                r = run_engine(args.model, prompts, outputs, mode, engine_kwargs, log, profile, args.max_seconds)
+                r = run_engine(args.model, prompts, outputs, mode, engine_kwargs, log, profile, args.max_seconds,
+                               args.kernel_table_steps)
             elif mode == "hf":
                 n = args.hf_num_requests or len(prompts)
                 r = run_hf(args.model, prompts[:n], outputs[:n], log)

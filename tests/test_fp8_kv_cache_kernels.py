@@ -417,6 +417,39 @@ def test_compact_kv_8bit_overlapping(kv_heads, block_size, head_dim, with_tables
         assert torch.equal(position_cache[dst[:, None], heads], before[5][src.t(), heads])
 
 
+@pytest.mark.parametrize("codes_dtype", [FP8, INT8, torch.float32, torch.bfloat16],
+                         ids=["fp8", "int8", "float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads,block_size,head_dim,kv_len", [(2, 16, 64, 57), (3, 16, 80, 64), (4, 256, 64, 300)])
+def test_gather_kv_dequantizes_in_one_pass(codes_dtype, dtype, kv_heads, block_size, head_dim, kv_len):
+    """One sequence's entries through a shuffled block table, in logical order: the Triton gather
+    gives the reference's values bit for bit, an 8-bit cache's dequantized (codes times their
+    scale in float32, then cast to `dtype`) from scales read by stride, a float cache's as they
+    are; nothing past kv_len is read into the output."""
+    gen = torch.Generator().manual_seed(kv_heads * 1000 + block_size + head_dim + kv_len)
+    num_blocks = 7
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    eight_bit = codes_dtype in (FP8, INT8)
+    if eight_bit:
+        cache = random_codes(shape, gen, codes_dtype)
+        scales = engine_layout(torch.rand(shape[:3], generator=gen) * 3)
+    else:
+        cache = torch.randn(shape, generator=gen).to(codes_dtype)
+        scales = None
+    table = torch.randperm(num_blocks, generator=gen)[:-(-kv_len // block_size) + 1]  # one block to spare
+    out = tcache.gather_kv(cache, table, kv_len, scales, dtype)
+    expected = ref.gather_kv(cache, table, kv_len, scales, dtype)
+    assert out.shape == (kv_len, kv_heads, head_dim)
+    assert out.dtype == expected.dtype == (dtype or (torch.float32 if eight_bit else codes_dtype))
+    assert torch.equal(out, expected)
+    # in logical order: entry t is slot t % block_size of block table[t // block_size]
+    t = kv_len - 1
+    row = cache[table[t // block_size], t % block_size].float()
+    if eight_bit:
+        row = row * scales[table[t // block_size], t % block_size][:, None]
+    assert torch.equal(out[t], row.to(out.dtype))
+
+
 def test_hadamard_is_an_orthonormal_rotation_of_power_of_2_heads():
     for n in (1, 2, 16, 64, 128):
         h = ref.hadamard(n)

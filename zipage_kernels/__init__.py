@@ -54,7 +54,7 @@ linear = _dispatch("linear")
 norm_linear = _dispatch("norm_linear")
 silu_mul_linear = _dispatch("silu_mul_linear")
 sample_rows = _dispatch("sample_rows")
-gather_kv = reference.gather_kv
+gather_kv = _dispatch("gather_kv")
 decode_reads = reference.decode_reads  # the CPU decode attention's reads, once per forward
 
 # Every kernel behind the seam, by name: the one list kernels.triton_ops registers from.

@@ -93,14 +93,15 @@ PREFILL_QUERY_TILE = 512  # query rows per attention call on the CPU path
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
-              scales: torch.Tensor | None = None) -> torch.Tensor:
+              scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first `length` entries of one sequence, in logical order: [length, kv_heads, head_dim]
-    (values in float32 when scales are given)."""
+    (values in float32 when scales are given), cast to `dtype` when one is given."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
     blocks = block_table[:num_blocks].long()
     entries = cache[blocks].flatten(0, 1)[:length]
-    return entries if scales is None else dequantize(entries, scales[blocks].flatten(0, 1)[:length])
+    values = entries if scales is None else dequantize(entries, scales[blocks].flatten(0, 1)[:length])
+    return values if dtype is None else values.to(dtype)
 
 
 @dataclass(frozen=True)

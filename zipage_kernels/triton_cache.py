@@ -1,5 +1,6 @@
-"""Triton cache kernels: store K/V into slots, store queries into query-cache rows, and the parallel
-compaction of kept entries into target blocks (gather everything, then scatter: two launches).
+"""Triton cache kernels: store K/V into slots, store queries into query-cache rows, the parallel
+compaction of kept entries into target blocks (gather everything, then scatter: two launches), and
+one sequence's entries gathered in logical order (dequantized in the same pass for an 8-bit cache).
 
 An 8-bit cache (k_scales, v_scales given; see kernels.reference) is written as float8_e4m3fn or
 int8 codes and a float32 scale per entry and KV head; compaction moves codes and scales, never
@@ -281,3 +282,46 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.
         HAS_SCORES=has_scores, HAS_POSITIONS=has_positions, HAS_CHOICES=has_choices, HAS_SCALES=has_scales,
         num_warps=4,
     )
+
+
+@triton.jit
+def _gather_kv_kernel(cache_ptr, scales_ptr, table_ptr, out_ptr, length,
+                      s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, s_ot, s_oh, s_od,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_T: tl.constexpr, HAS_SCALES: tl.constexpr):
+    """Entries t of one KV head h: out[t, h, :] = cache[table[t // BLOCK_SIZE], t % BLOCK_SIZE, h, :],
+    times the entry's scale with HAS_SCALES (in float32, as reference.dequantize), in out's dtype."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D_PAD)
+    ok = t < length
+    blk = tl.load(table_ptr + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    off = t % BLOCK_SIZE
+    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(cache_ptr + blk[:, None] * s_cb + off[:, None] * s_co + h * s_ch + d[None, :] * s_cd, mask=mask)
+    if HAS_SCALES:
+        scale = tl.load(scales_ptr + blk * s_sb + off * s_so + h * s_sh, mask=ok, other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * s_ot + h * s_oh + d[None, :] * s_od,
+             x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's first `length` entries in logical order (see kernels.reference), in one launch:
+    an 8-bit cache's codes come out dequantized and in `dtype` without float32 copies in between."""
+    block_size, kv_heads, head_dim = cache.shape[1:]
+    out_dtype = dtype or (torch.float32 if scales is not None else cache.dtype)
+    out = torch.empty((length, kv_heads, head_dim), dtype=out_dtype, device=cache.device)
+    if length == 0 or kv_heads == 0:
+        return out
+    table = block_table[:triton.cdiv(length, block_size)]
+    has_scales = scales is not None
+    scale_arg, scale_strides = (scales, scales.stride()) if has_scales else (cache, (0, 0, 0))
+    block_t = 64
+    _gather_kv_kernel[(triton.cdiv(length, block_t), kv_heads)](
+        cache, scale_arg, table, out, length, *cache.stride(), *scale_strides, *out.stride(),
+        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_T=block_t,
+        HAS_SCALES=has_scales, num_warps=4,
+    )
+    return out

@@ -51,8 +51,8 @@ def unregister() -> None:
 def patch_interpreter_for_numpy2() -> bool:
     """Tests only (TRITON_INTERPRET=1): Triton 3.6's interpreter converts scalars to Python ints with
     int() on a one-element 1-d array, which NumPy >= 2.4 refuses, so dynamic loop bounds fail
-    (triton-lang/triton#9171). Re-patch the scalar conversion to take the element, and the fp8 cast
-    (below). Returns whether the patch was applied; harmless to call twice, never needed on a GPU."""
+    (triton-lang/triton#9171). Re-patch the scalar conversion to take the element, and the fp8 and
+    bf16 casts (below). Returns whether the patch was applied; harmless to call twice, never needed on a GPU."""
     try:
         from triton.runtime import interpreter
     except Exception:
@@ -96,6 +96,19 @@ def _patch_interpreter_fp8_cast(interpreter) -> None:
 
     create_fp_to_fp._zipage_patched = True
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+    # float32 -> bfloat16 truncates in the interpreter (its cast_impl converts with no rounding mode);
+    # the GPU's cvt.rn.bf16.f32, and torch, round to nearest even.
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def rounded_cast_impl(self, src, dst_type):
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+            x = torch.from_numpy(np.array(src.data, dtype=np.float32))
+            halves = x.to(torch.bfloat16).view(torch.uint16).numpy()
+            return interpreter.TensorHandle(halves.reshape(np.shape(src.data)), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = rounded_cast_impl
 
 
 REGISTERED = register()

@@ -200,9 +200,9 @@ class Compressor:
                 attention = kernels.global_score_merge(attention, previous, num_scored, cfg.global_decay)
             final = attention
             if cfg.use_redundancy:
-                # 8-bit keys come back as float32 values: in the model's dtype the similarity products
-                # run on tensor cores (float32 ones took 150x longer on the H200)
-                keys = kernels.gather_kv(k_cache, table, kv_len, k_scales).to(runner.dtype).transpose(0, 1)
+                # 8-bit keys are dequantized straight into the model's dtype: there the similarity
+                # products run on tensor cores (float32 ones took 150x longer on the H200)
+                keys = kernels.gather_kv(k_cache, table, kv_len, k_scales, runner.dtype).transpose(0, 1)
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
