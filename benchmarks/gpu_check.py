@@ -403,11 +403,20 @@ def check_scores(report: Report, s: Sizes, gen):
         report.attempt(f"keep_indices T={tokens}", keep, tokens)
 
 
+class _FakeRunner(SimpleNamespace):
+    """What the compressor reads of a ModelRunner: its caches, and each layer's view of them."""
+
+    def layer_cache(self, layer: int) -> dict:
+        from zipage.engine.execution.model_runner import ModelRunner
+
+        return ModelRunner.layer_cache(self, layer)
+
+
 def _fake_runner(s: Sizes, gen, num_blocks: int):
     dev = torch.device(s.device)
     kv = randn((s.layers, 2, num_blocks, s.block_size, s.kv_heads, s.head_dim), gen, dev, s.dtype)
-    return SimpleNamespace(
-        device=dev, num_layers=s.layers, head_dim=s.head_dim, kv_cache=kv,
+    return _FakeRunner(
+        device=dev, dtype=s.dtype, num_layers=s.layers, head_dim=s.head_dim, kv_cache=kv, kv_scales=None,
         query_cache=torch.randn(s.layers, 2 * s.window, s.q_heads, s.head_dim, generator=gen).to(dev, s.dtype),
         score_cache=torch.rand(s.layers, num_blocks * s.block_size, s.kv_heads, generator=gen).to(dev),
         position_cache=torch.randint(0, 1 << 20, (s.layers, num_blocks * s.block_size, s.kv_heads), generator=gen,
@@ -447,7 +456,7 @@ def check_compression_pipeline(report: Report, s: Sizes, gen):
         job_gen_seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
         results = {}
         for which in ("triton", "reference"):
-            runner = SimpleNamespace(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+            runner = _FakeRunner(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                         for k, v in vars(base).items()})
             compressor = _compressor(s, runner)
             job = _compression_job(s, torch.Generator().manual_seed(job_gen_seed), num_blocks, first)

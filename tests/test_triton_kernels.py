@@ -284,6 +284,20 @@ def test_redundancy_score(lightning_block, threshold):
               reference_sums(keys, lightning_block, threshold), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lightning_block", [None, 16])
+def test_redundancy_sums_from_16_bit_unit_keys(lightning_block):
+    """16-bit keys (as a bf16 or fp16 engine passes them) are normalised once into unit keys of their
+    own dtype, whose products run on 16-bit tensor cores: the sums stay within 1e-3 of the float32
+    definition. fp16 stands in for bf16 here: the interpreter's bf16 tl.dot is wrong; the GPU check
+    covers bf16."""
+    gen = torch.Generator().manual_seed(11 + (lightning_block or 0))
+    keys = duplicated_keys(gen).transpose(0, 1).contiguous().transpose(0, 1)
+    got = tscores.redundancy_sums(keys.half(), lightning_block, 0.5)
+    want = reference_sums(keys.half(), lightning_block, 0.5)
+    assert got.dtype == torch.float32
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
+
+
 def test_redundancy_spares_latest_duplicate():
     """A run of exact duplicates: only the newest looks unique."""
     keys = torch.zeros(1, 6, 16)

@@ -239,14 +239,34 @@ def _segment_range(first, count, seg, padded, TILE: tl.constexpr):
 
 
 @triton.jit
-def _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-              OWN: tl.constexpr, OTHER: tl.constexpr):
+def _unit_keys_kernel(keys_ptr, unit_ptr, T, s_kh, s_kt, s_kd,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Each key L2-normalised once, into unit [kv_heads, T, D_PAD] (zero columns past HEAD_DIM) in
+    the keys' dtype: both passes below then read unit rows instead of normalising every tile again."""
+    kvh = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D_PAD)
+    unit = _unit_rows(keys_ptr, kvh, idx, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
+    tl.store(unit_ptr + (kvh * T + idx.to(tl.int64))[:, None] * D_PAD + d[None, :],
+             unit.to(unit_ptr.dtype.element_ty), mask=(idx < T)[:, None])
+
+
+@triton.jit
+def _unit_tile(unit_ptr, kvh, idx, T, D_PAD: tl.constexpr):
+    """Unit keys at token indices idx (zero rows past T): [len(idx), D_PAD] in the unit keys' dtype."""
+    d = tl.arange(0, D_PAD)
+    return tl.load(unit_ptr + (kvh * T + idx.to(tl.int64))[:, None] * D_PAD + d[None, :],
+                   mask=(idx < T)[:, None], other=0.0)
+
+
+@triton.jit
+def _own_keys(unit_ptr, T, padded, seg, D_PAD: tl.constexpr, OWN: tl.constexpr, OTHER: tl.constexpr):
     """This program's kv head, its OWN token indices with their unit keys, and the range of the
     other side to sweep (its segments, in tiles of OTHER)."""
     kvh = tl.program_id(0)
     first = tl.program_id(1) * OWN
     idx = first + tl.arange(0, OWN)
-    unit = _unit_rows(keys_ptr, kvh, idx, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
+    unit = _unit_tile(unit_ptr, kvh, idx, T, D_PAD)
     lo, hi = _segment_range(first, OWN, seg, padded, OTHER)
     return kvh, idx, unit, lo, hi
 
@@ -263,17 +283,17 @@ def _segment_sims(um, un, m, n, m_ok, n_ok, seg, PREC: tl.constexpr):
 
 @triton.jit
 def _latest_duplicate_kernel(
-    keys_ptr, latest_ptr, T, padded, seg, threshold, s_kh, s_kt, s_kd,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+    unit_ptr, latest_ptr, T, padded, seg, threshold,
+    D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Pass 1: for each column n, the largest row m of its segment with sim(m, n) > threshold
     (diagonal counted as similarity 0), or -1."""
-    kvh, n, un, lo, hi = _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD, BN, BM)
+    kvh, n, un, lo, hi = _own_keys(unit_ptr, T, padded, seg, D_PAD, BN, BM)
     n_ok = n < padded
     latest = tl.full([BN], -1, tl.int32)
     for m0 in range(lo, hi, BM):
         m = m0 + tl.arange(0, BM)
-        um = _unit_rows(keys_ptr, kvh, m, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
+        um = _unit_tile(unit_ptr, kvh, m, T, D_PAD)
         sim, same = _segment_sims(um, un, m, n, m < padded, n_ok, seg, PREC)
         near = same & (sim > threshold)
         latest = tl.maximum(latest, tl.max(tl.where(near, m[:, None], -1), axis=0))
@@ -282,17 +302,17 @@ def _latest_duplicate_kernel(
 
 @triton.jit
 def _redundancy_sums_kernel(
-    keys_ptr, latest_ptr, sums_ptr, T, padded, seg, threshold, s_kh, s_kt, s_kd,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+    unit_ptr, latest_ptr, sums_ptr, T, padded, seg, threshold,
+    D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Pass 2: row sums of similarity within the row's segment, without (latest[n], n) pairs."""
-    kvh, m, um, lo, hi = _own_keys(keys_ptr, T, padded, seg, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD, BM, BN)
+    kvh, m, um, lo, hi = _own_keys(unit_ptr, T, padded, seg, D_PAD, BM, BN)
     m_ok = m < T
     acc = tl.zeros([BM], tl.float32)
     for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         n_ok = n < padded
-        un = _unit_rows(keys_ptr, kvh, n, T, s_kh, s_kt, s_kd, HEAD_DIM, D_PAD)
+        un = _unit_tile(unit_ptr, kvh, n, T, D_PAD)
         sim, same = _segment_sims(um, un, m, n, m_ok, n_ok, seg, PREC)
         sim = tl.where(same, sim, 0.0)
         latest = tl.load(latest_ptr + kvh * padded + n, mask=n_ok, other=-2)
@@ -317,12 +337,15 @@ def redundancy_sums(keys: torch.Tensor, lightning_block: int | None, threshold: 
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     tile = tile or (64 if d_pad <= 128 else 32)
     latest = torch.empty((kv_heads, padded), dtype=torch.int32, device=device)
-    prec = dot_precision(keys.dtype)
-    args = dict(HEAD_DIM=head_dim, D_PAD=d_pad, BM=tile, BN=tile, PREC=prec, num_warps=4)
+    # In the keys' dtype: bf16 unit keys meet on bf16 tensor cores; fp32 ones keep IEEE products.
+    unit = torch.empty((kv_heads, tokens, d_pad), dtype=keys.dtype, device=device)
+    _unit_keys_kernel[(triton.cdiv(tokens, tile), kv_heads)](
+        keys, unit, tokens, *keys.stride(), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_T=tile, num_warps=4)
+    args = dict(D_PAD=d_pad, BM=tile, BN=tile, PREC=dot_precision(keys.dtype), num_warps=4)
     _latest_duplicate_kernel[(kv_heads, triton.cdiv(padded, tile))](
-        keys, latest, tokens, padded, seg, float(threshold), *keys.stride(), **args)
+        unit, latest, tokens, padded, seg, float(threshold), **args)
     _redundancy_sums_kernel[(kv_heads, triton.cdiv(tokens, tile))](
-        keys, latest, sums, tokens, padded, seg, float(threshold), *keys.stride(), **args)
+        unit, latest, sums, tokens, padded, seg, float(threshold), **args)
     return sums
 
 
