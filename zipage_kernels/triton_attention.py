@@ -98,6 +98,16 @@ def softmax_fold(s, m_i, l_i):
 
 
 @triton.jit
+def softmax_fold_all_seen(s, m_i, l_i, scale):
+    """softmax_fold for a tile in which every row sees at least one key, of scores s times `scale`:
+    no -inf guard, and the scale rides in the exponent's multiply-add."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)
+    p = tl.exp2(s * scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh,
     d, d_ok, scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
@@ -147,10 +157,7 @@ def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok,
         logit_scale = (tl.load(ks_tile) * scale_log2)[None, :]
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, 1.0)
     if FULL_D:
         v = tl.load(v_tile)
     else:
@@ -159,7 +166,7 @@ def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok,
         p = weigh_by_value_scales(p, tl.load(vs_tile), F16)
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -501,12 +508,8 @@ def _prefill_tile(
     if MASKED:
         s = tl.where(t_ok[None, :] & (t[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
         m_i, l_i, p, alpha = softmax_fold(s, m_i, l_i)
-    else:  # every row sees a key here: no -inf guard; the scale rides in one multiply-add
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+    else:  # every row sees a key here
+        m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, qk_scale)
     if QUANT:  # a value's scale weighs its probability (converted only now: fewer live registers)
         v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
         p = p * v_scales[None, :]
