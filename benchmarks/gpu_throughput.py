@@ -24,6 +24,8 @@ also hold the workload's KV footprint ceiling (zipage.cli.bench.kv_footprint) an
 full-KV ratios (`ratios`, and `elastic_ratios` for the elastic mode; `fp8_ratios` and `int8_ratios`:
 the 8-bit modes over zipage). --max-seconds bounds each
 mode; --device cpu with --num-kv-blocks checks the script on a CPU with a tiny model.
+--kernel-table-steps N records, 200 steps into each mode's saturated phase, the GPU time per kernel
+and step over N steps (every stream; the steps it profiles are left out of the saturated rate).
 """
 
 from __future__ import annotations
