@@ -67,15 +67,16 @@ def patch_interpreter_for_numpy2() -> bool:
 
     patched._zipage_patched = True
     interpreter._patch_lang_tensor = patched
-    _patch_interpreter_fp8_cast(interpreter)
+    _patch_interpreter_casts(interpreter)
     return True
 
 
-def _patch_interpreter_fp8_cast(interpreter) -> None:
-    """Triton 3.7's interpreter converts float32 to fp8 (interpreter._convert_float) rounding ties
-    away from zero and losing the carry when rounding overflows the mantissa (7.94 -> 4:
-    triton-lang/triton#8322, #11897). That one cast goes through torch instead, which rounds to
-    nearest even; clamping first mirrors the GPU's saturating cvt.rn.satfinite.e4m3x2.f32."""
+def _patch_interpreter_casts(interpreter) -> None:
+    """Two float32 down-casts of the interpreter, sent through torch to round as the GPU does.
+    fp8: Triton 3.7's interpreter rounds ties away from zero and loses the carry when rounding
+    overflows the mantissa (7.94 -> 4: triton-lang/triton#8322, #11897); torch rounds to nearest
+    even, and clamping first mirrors the GPU's saturating cvt.rn.satfinite.e4m3x2.f32. bf16: the
+    interpreter truncates; the GPU's cvt.rn.bf16.f32 rounds to nearest even."""
     import numpy as np
     import triton.language as tl
     from triton._C.libtriton import ir
@@ -97,8 +98,7 @@ def _patch_interpreter_fp8_cast(interpreter) -> None:
     create_fp_to_fp._zipage_patched = True
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
-    # float32 -> bfloat16 truncates in the interpreter (its cast_impl converts with no rounding mode);
-    # the GPU's cvt.rn.bf16.f32, and torch, round to nearest even.
+    # (its cast_impl converts float32 -> bfloat16 with no rounding mode)
     cast_impl = interpreter.InterpreterBuilder.cast_impl
 
     def rounded_cast_impl(self, src, dst_type):
