@@ -3,6 +3,7 @@ and the bandwidth reached on the bytes read (codes, scales and block tables' wor
 
     python3 benchmarks/gpu_decode_tiles.py --json out.json
     python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4 --warps 2,4
+    python3 benchmarks/gpu_decode_tiles.py --shapes 88x2200 --tiles 64 --ways auto --max-registers auto,128,144
 
 Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each 8-bit
 case is checked against the reference on the same codes before it is timed.
@@ -18,12 +19,14 @@ import bench_common
 
 
 def cases(args):
+    auto = lambda x: None if x == "auto" else int(x)  # noqa: E731
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
         for tile in (int(x) for x in args.tiles.split(",")):
             for ways in args.ways.split(","):
                 for warps in args.warps.split(","):
-                    yield batch, context, tile, None if ways == "auto" else int(ways), None if warps == "auto" else int(warps)
+                    for registers in args.max_registers.split(","):
+                        yield batch, context, tile, auto(ways), auto(warps), auto(registers)
 
 
 def main(argv=None) -> dict:
@@ -32,6 +35,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiles", default="64,128", help="keys per step of the decode loop")
     parser.add_argument("--ways", default="auto,2,4", help="split-K partitions (auto: the engine's choice)")
     parser.add_argument("--warps", default="auto", help="warps per program (auto: the engine's choice per cache)")
+    parser.add_argument("--max-registers", default="auto",
+                        help="registers a thread at most, comma-separated (auto: the engine's cap per cache; "
+                             "benchmarks/decode_sass.py shows what a cap spills)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -51,7 +57,7 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     results = {**bench_common.device_description(dev), "args": vars(args), "rows": []}
     heads, dim = args.kv_heads, args.head_dim
-    for batch, context, tile, ways, warps in cases(args):
+    for batch, context, tile, ways, warps, registers in cases(args):
         k, v, tables = random_paged_cache([context] * batch, args.block_size, heads, dim, gen,
                                           randn=lambda shape: torch.randn(shape, device=dev, dtype=torch.bfloat16))
         tables = tables.to(dev)
@@ -70,15 +76,17 @@ def main(argv=None) -> dict:
         def attend(cache):
             return lambda: triton_attention.paged_decode_attention_impl(
                 query, cache["k_cache"], cache["v_cache"], tables, ctx, scale, num_partitions=ways, block_n=tile,
-                k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"), num_warps=warps)
+                k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"), num_warps=warps,
+                max_registers=registers)
 
         plain = dict(k_cache=k, v_cache=v)
         for label, cache, nbytes in (("bf16", plain, entries * dim * 2 * 2),
                                      ("fp8", coded["fp8"], entries * (dim + 4) * 2),
                                      ("int8", coded["int8"], entries * (dim + 4) * 2)):
             call = attend(cache)
+            launch = triton_attention.decode_launch(KV_CODE_DTYPES.get(label, torch.bfloat16))
             row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
-                   "warps": warps or triton_attention.decode_launch(KV_CODE_DTYPES.get(label, torch.bfloat16)).warps}
+                   "warps": warps or launch.warps, "max_registers": registers or launch.max_registers}
             if label != "bf16":
                 expected = ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **cache)
