@@ -512,7 +512,7 @@ def _prefill_tile(
         m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, qk_scale)
     if QUANT:  # a value's scale weighs its probability (converted only now: fewer live registers)
         v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
-        p = p * v_scales[None, :]
+        p = weigh_by_value_scales(p, v_scales, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc
 

@@ -315,12 +315,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     out = torch.empty((length, kv_heads, head_dim), dtype=out_dtype, device=cache.device)
     if length == 0 or kv_heads == 0:
         return out
-    table = block_table[:triton.cdiv(length, block_size)]
     has_scales = scales is not None
     scale_arg, scale_strides = (scales, scales.stride()) if has_scales else (cache, (0, 0, 0))
     block_t = 64
     _gather_kv_kernel[(triton.cdiv(length, block_t), kv_heads)](
-        cache, scale_arg, table, out, length, *cache.stride(), *scale_strides, *out.stride(),
+        cache, scale_arg, block_table, out, length, *cache.stride(), *scale_strides, *out.stride(),
         HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_T=block_t,
         HAS_SCALES=has_scales, num_warps=4,
     )
