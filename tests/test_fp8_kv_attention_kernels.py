@@ -134,18 +134,6 @@ def test_8bit_decode_split_k(block_size, ways, min_partition, block_n, codes_dty
     close(split, tatt.paged_decode_attention_impl(**args, **cache, num_partitions=1))
 
 
-@by_code
-def test_8bit_decode_splits_as_its_launch_fills(codes_dtype, monkeypatch):
-    """Split-K ways follow the cache's launch: int8's small programs split a batch that fp8's and
-    the model dtype's would run whole (10 programs on the interpreter's 4 'SMs')."""
-    seen = []
-    ways = tatt.decode_num_partitions
-    monkeypatch.setattr(tatt, "decode_num_partitions", lambda *a: seen.append(ways(*a)) or seen[-1])
-    args, cache, _ = decode_inputs(2, 64, 256, seed=11, codes_dtype=codes_dtype, lens=[300, 290, 257, 5, 100])
-    close(tatt.paged_decode_attention(**args, **cache), ref.paged_decode_attention(**args, **cache))
-    assert seen == [2 if codes_dtype == INT8 else 1]
-
-
 FP16_ERROR = 2e-3  # relative norm: each side rounds to fp16 in its own places (each ~3e-4 from fp32)
 
 

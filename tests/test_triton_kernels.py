@@ -159,9 +159,6 @@ def test_decode_partition_heuristic():
     assert tatt.decode_num_partitions(1, 1, 1, 16, cpu) == 1  # 16 tokens: one partition at most
     assert tatt.decode_num_partitions(1, 1, 2, shortest, cpu) == 2  # a table of two shortest partitions
     assert tatt.decode_num_partitions(1, 1, 8, shortest, cpu) == 8
-    # 10 programs fill 2 an SM, not 3: only a launch that wants 3 (int8's small programs) splits
-    assert tatt.decode_num_partitions(5, 2, 8, 256, cpu) == 1
-    assert tatt.decode_num_partitions(5, 2, 8, 256, cpu, fill_per_sm=3) == 2
 
 
 # ---------------------------------------------------------------------------------------------

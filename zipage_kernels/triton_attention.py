@@ -349,19 +349,16 @@ class DecodeLaunch:
     max_registers: int | None = None
     whole_tiles: bool = True
     fp16_products: bool = False
-    fill_per_sm: int = DECODE_PROGRAMS_PER_SM  # split-K until the programs number this many per SM
 
 
 # Per cache: chosen on an H100 over Qwen3-0.6B and -8B attention shapes (docs/benchmarks.md,
 # "Decode attention over 8-bit codes: whole tiles and fp16 products"). A cache in the model's dtype
 # keeps the masked loop (whole tiles: 9% faster at 88 sequences, even at 45-47, 3% slower at 256).
 # An int8 tile does twice bf16's products and conversions per byte read, so its programs are 2
-# warps, capped to keep six on an SM; a batch that fills under half of those six is split in
-# two or more (47 sequences x 8 KV heads: 13% faster; 88 were not split, and 2 ways were 5% slower
-# there). e4m3 codes convert to fp16 in one instruction a pair, to bf16
+# warps, capped to keep six on an SM. e4m3 codes convert to fp16 in one instruction a pair, to bf16
 # in four (two of them F2F, at a quarter of the FP32 rate), so an fp8 cache meets fp16 queries.
 DECODE_LAUNCH = {"model": DecodeLaunch(4, whole_tiles=False),
-                 torch.int8: DecodeLaunch(2, max_registers=168, fill_per_sm=3),
+                 torch.int8: DecodeLaunch(2, max_registers=168),
                  torch.float8_e4m3fn: DecodeLaunch(4, fp16_products=True)}
 
 
@@ -371,12 +368,12 @@ def decode_launch(cache_dtype: torch.dtype) -> DecodeLaunch:
 
 
 def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_size: int,
-                          device: torch.device, fill_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
+                          device: torch.device) -> int:
     """Split-K ways, from shapes only (graph safe): 1 when the (sequence, kv head) programs already
-    fill the GPU (about fill_per_sm per SM: DecodeLaunch.fill_per_sm), otherwise enough partitions
-    to fill it, never more than the table could hold at DECODE_MIN_PARTITION tokens each."""
+    fill the GPU (about DECODE_PROGRAMS_PER_SM per SM), otherwise enough partitions to fill it,
+    never more than the table could hold at DECODE_MIN_PARTITION tokens each."""
     programs = batch * kv_heads
-    target = fill_per_sm * num_sms(device)
+    target = DECODE_PROGRAMS_PER_SM * num_sms(device)
     if programs >= target:
         return 1
     most = max(1, triton.cdiv(table_width * block_size, DECODE_MIN_PARTITION))
@@ -403,8 +400,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     num_warps = num_warps or launch.warps
     max_registers = max_registers or launch.max_registers
     if num_partitions is None:
-        num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device,
-                                                launch.fill_per_sm)
+        num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
     if min_partition is None:
         min_partition = max(DECODE_MIN_PARTITION, tile)
     assert min_partition % tile == 0, "partitions must be whole key tiles"
