@@ -31,7 +31,7 @@ def signature(fn, cache: str, constexprs: dict, values_keys_first: bool) -> tupl
     quant = cache != "bf16"
     pointers = {"q_ptr": "*bf16", "k_ptr": CODE_TYPES[cache], "v_ptr": CODE_TYPES[cache],
                 "ks_ptr": "*fp32" if quant else CODE_TYPES[cache], "vs_ptr": "*fp32" if quant else CODE_TYPES[cache],
-                "table_ptr": "*i32", "lens_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32"}
     unit = {"s_qd", "s_kd", "s_tn", "s_od", "ss_o", "s_vo" if values_keys_first else "s_vd"}
     unspecialised = {"table_width", "num_partitions", "min_partition", "s_tb"}

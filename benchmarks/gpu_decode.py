@@ -19,8 +19,6 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
 rows count the compressions (pool_compressions: those run because the pool was short) and preemptions.
 --variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
 fused-no-pdl (the same, every kernel launched without programmatic dependent launch),
-fused-reduce-kernel (the same, split decode attention merged by a reduce kernel after it, not by its
-last program),
 unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
 kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
 products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
@@ -51,19 +49,17 @@ COUNTS = ("compressions", "pool_compressions", "preemptions")  # engine totals a
 def use_variant(variant: str) -> None:
     """Route the layer chains through one implementation (see the module docstring)."""
     from zipage import kernels
-    from zipage.kernels import early_launch, reference, triton_attention, triton_cache, triton_linear, triton_ops
+    from zipage.kernels import early_launch, reference, triton_cache, triton_linear, triton_ops
 
     if not COMMITTED:
-        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=early_launch.ENABLED,
-                         merge=triton_attention.MERGE_IN_LAUNCH)
+        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=early_launch.ENABLED)
     triton_ops.register()
     kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
     early_launch.ENABLED = COMMITTED["pdl"] and variant != "fused-no-pdl"
-    triton_attention.MERGE_IN_LAUNCH = COMMITTED["merge"] and variant != "fused-reduce-kernel"
     if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
         kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS
         triton_linear.FOLD_MAX_ROWS = triton_linear.MAX_ROWS if variant == "folded" else 0
-    if variant in ("fused", "fused-no-pdl", "fused-reduce-kernel", "unfolded", "folded"):
+    if variant in ("fused", "fused-no-pdl", "unfolded", "folded"):
         return
     if variant not in ("cublas", "reference", "compile"):
         raise SystemExit(f"unknown variant {variant!r}")

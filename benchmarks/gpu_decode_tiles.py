@@ -5,12 +5,10 @@ and the bandwidth reached on the bytes read (codes, scales and block tables' wor
     python3 benchmarks/gpu_decode_tiles.py --shapes 64x2000,1x8000 --tiles 64,128 --ways auto,2,4 --warps 2,4
     python3 benchmarks/gpu_decode_tiles.py --shapes 88x2200 --tiles 64 --ways auto --max-registers auto,128,144
     python3 benchmarks/gpu_decode_tiles.py --shapes 47x2200 --tiles 64 --ways 1,2 --rounds 7
-    python3 benchmarks/gpu_decode_tiles.py --shapes 1x8000,4x400 --tiles 64 --ways auto --merge launch,kernel
 
 Qwen3-0.6B's attention shape by default (8 KV heads, group 2, head_dim 128, block 256). Each shape
 draws one cache; every variant of it (tile, ways, warps, register cap, each cache kind) is checked
-against the reference on the same codes (--merge: split-K partitions merged by the launch's last
-program, as the engine does, or by a reduce kernel after it), then timed in --rounds interleaved rounds: a row gives the
+against the reference on the same codes, then timed in --rounds interleaved rounds: a row gives the
 median and the spread (fastest, slowest) of its rounds. One round can mislead: some launches (two
 split-K partitions of int8 at 45-47 sequences) swing by half from one timing to the next.
 --device cpu runs the same under the Triton interpreter (TRITON_INTERPRET=1; tiny shapes), timed by
@@ -37,8 +35,7 @@ def variants(args):
         for ways in args.ways.split(","):
             for warps in args.warps.split(","):
                 for registers in args.max_registers.split(","):
-                    for merge in args.merge.split(","):
-                        yield tile, auto(ways), auto(warps), auto(registers), merge
+                    yield tile, auto(ways), auto(warps), auto(registers)
 
 
 def time_us(call, device: str) -> float:
@@ -61,8 +58,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-registers", default="auto",
                         help="registers a thread at most, comma-separated (auto: the engine's cap per cache; "
                              "benchmarks/decode_sass.py shows what a cap spills)")
-    parser.add_argument("--merge", default="launch",
-                        help="where split-K partitions merge, comma-separated: launch (its last program), kernel")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of every variant of a shape")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
@@ -70,8 +65,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu to check the script under the interpreter")
     args = bench_common.parse_args(parser, argv)
-    if not set(args.merge.split(",")) <= {"launch", "kernel"}:
-        parser.error(f"--merge takes launch and/or kernel, not {args.merge!r}")
 
     from zipage import kernels
     from zipage.kernels import reference as ref
@@ -111,18 +104,16 @@ def main(argv=None) -> dict:
         expected = {label: ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **caches[label]) for label in checked}
         rows, calls = [], []
-        for tile, ways, warps, registers, merge in variants(args):
+        for tile, ways, warps, registers in variants(args):
             for label, dtype in CACHES:
                 cache = caches[label]
                 launch = triton_attention.decode_launch(dtype or model_dtype)
                 call = functools.partial(
                     triton_attention.paged_decode_attention_impl, query, cache["k_cache"], cache["v_cache"], tables,
                     ctx, scale, num_partitions=ways, block_n=tile, k_scales=cache.get("k_scales"),
-                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers,
-                    merge_in_launch=merge == "launch")
+                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers)
                 row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
-                       "warps": warps or launch.warps, "max_registers": registers or launch.max_registers,
-                       "merge": merge}
+                       "warps": warps or launch.warps, "max_registers": registers or launch.max_registers}
                 if label in expected:
                     row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
                 rows.append(row)

@@ -131,26 +131,6 @@ def test_decode_split_k_equals_unsplit(block_size, ways, min_partition, block_n)
     close(split, ref.paged_decode_attention(*args))
 
 
-@pytest.mark.parametrize("group,ways", [(1, 3), (2, 8), (4, 5)])
-def test_decode_partitions_merged_in_the_launch(group, ways):
-    """The last program of a (sequence, kv head) to finish merges its partitions in the same launch:
-    the reduce kernel's output bit for bit, with unused partitions (a short context in a wide table)
-    and a context in one partition; its counters are back at zero, so a second launch (a graph
-    replay) merges again."""
-    gen = torch.Generator().manual_seed(group * 10 + ways)
-    lens = [700, 5, 260, 64]
-    k_cache, v_cache, tables = paged_cache(lens, 16, KV_HEADS, 64, gen, extra_cols=2)
-    query = torch.randn(len(lens), KV_HEADS * group, 64, generator=gen)
-    args = (query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
-    knobs = dict(num_partitions=ways, min_partition=64, block_n=64)
-    reduced = tatt.paged_decode_attention_impl(*args, merge_in_launch=False, **knobs)
-    merged = tatt.paged_decode_attention_impl(*args, merge_in_launch=True, **knobs)
-    assert torch.equal(merged, reduced)
-    assert not tatt.arrival_counters(query.device, "decode").any()
-    assert torch.equal(tatt.paged_decode_attention_impl(*args, merge_in_launch=True, **knobs), reduced)
-    close(merged, ref.paged_decode_attention(*args))
-
-
 def test_decode_whole_tiles_match_masked_loop(monkeypatch):
     """Whole key tiles take an unmasked loop (one base address a tile); with it off every tile takes
     the masked one. Same results, for contexts of whole tiles, a part tile, and one short of a block,
@@ -534,7 +514,7 @@ def test_skinny_split_k_is_repeatable():
     cfg = tlin.Config(16, 32, split_k=4)
     first = tlin.skinny_matmul(x, w, b, config=cfg)[0]
     assert torch.equal(tlin.skinny_matmul(x, w, b, config=cfg)[0], first)
-    assert not tatt.arrival_counters(x.device, "skinny").any()
+    assert not tlin._counters[x.device].any()
 
 
 @pytest.mark.parametrize("fold", [tlin.MAX_ROWS, 0])

@@ -41,10 +41,7 @@ DECODE_MIN_PARTITION = 64
 # Keys per step of the decode loop, for every block size: with smaller blocks a tile spans several
 # blocks (block ids gathered per token), with larger ones it stays inside one block.
 DECODE_TILE = 64
-REDUCE_CHUNK = 16  # partitions combined per step of the merge
-# Split-K partitions merged by the last program of each (sequence, kv head) to finish, in the same
-# launch, rather than by a reduce kernel after it; False for comparisons.
-MERGE_IN_LAUNCH = True
+REDUCE_CHUNK = 16  # partitions combined per step of the reduce kernel
 
 
 def next_pow2(n: int) -> int:
@@ -184,27 +181,6 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Arrival counters, for kernels whose last program to finish a piece of work also completes it (the
-# split-K sum of a skinny product, the merge of decode attention's partitions) so that no second kernel
-# is launched for it: a program adds one to its piece's counter after writing its part, and the one
-# that sees the count reach the number of parts merges them and sets the counter back to zero, ready
-# for the next launch and for CUDA graph replays.
-ARRIVAL_SLOTS = 1 << 14  # pieces of work one launch may count
-_arrival_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, kernel: str) -> torch.Tensor | None:
-    """The zeroed counters of one kernel family on this device (each its own, so no two kernels
-    share a slot). Made on first use, which must not be inside a graph capture (the engine's warm-up
-    forward comes first); None then, and the caller takes its two-kernel path."""
-    buf = _arrival_counters.get((device, kernel))
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _arrival_counters[(device, kernel)] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get IEEE fp32 products (no TF32 rounding), so an fp32 engine matches the reference."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -241,7 +217,7 @@ def _partition_len(ctx, num_partitions, min_partition, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["table_width", "num_partitions", "min_partition", "s_tb"])
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
     scale_log2, table_width, num_partitions, min_partition,
     s_qb, s_qh, s_qd,
     s_kb, s_ko, s_kh, s_kd,
@@ -251,8 +227,7 @@ def _decode_partition_kernel(
     s_ob, s_oh, s_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, MERGE: tl.constexpr = False,
-    CHUNK: tl.constexpr = 16, PDL: tl.constexpr = False,
+    QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -261,8 +236,7 @@ def _decode_partition_kernel(
     The number of partitions comes from shapes; their length from this sequence's own context
     (an even share, rounded up to the key tile, at least min_partition), so a short context in a
     wide table uses few partitions and a long one all of them; unused partitions write nothing
-    the reduce reads. MERGE: the last of a (sequence, kv head)'s programs to finish merges its
-    partitions itself (counted at cnt_ptr), instead of a reduce kernel after this one."""
+    the reduce reads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -324,47 +298,6 @@ def _decode_partition_kernel(
         tl.store(m_ptr + row, m_i, mask=g_ok)
         tl.store(l_ptr + row, l_i, mask=g_ok)
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        if MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the count goes up
-            counter = cnt_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_partitions - 1:
-                used = tl.minimum((ctx + partition - 1) // partition, num_partitions)
-                for j in tl.static_range(GROUP):
-                    head = kvh * GROUP + j
-                    first_row = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + head) * num_partitions
-                    _merge_partitions(m_ptr, l_ptr, acc_ptr, first_row, used,
-                                      out_ptr + b.to(tl.int64) * s_ob + head * s_oh, s_od, HEAD_DIM, D_PAD, CHUNK)
-                tl.store(counter, 0)  # ready for the next launch (and graph replay)
-
-
-@triton.jit
-def _merge_partitions(m_ptr, l_ptr, acc_ptr, base, used, out_row, s_od,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One query head's output from the running max, sum and accumulator of its first `used`
-    partitions (rows base .. base + used - 1), written to out_row. Loads bypass L1: other programs
-    wrote the partials."""
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    c = tl.arange(0, CHUNK)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
-    for p0 in range(0, used, CHUNK):
-        p = p0 + c
-        p_ok = p < used
-        m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + base + p, mask=p_ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(acc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :],
-                    mask=p_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)
-        w = tl.exp2(m - m_safe)  # [CHUNK]
-        l_run = l_run * alpha + tl.sum(l * w, axis=0)
-        acc = acc * alpha + tl.sum(a * w[:, None], axis=0)
-        m_run = m_new
-    out = acc / tl.where(l_run > 0, l_run, 1.0)
-    tl.store(out_row + d * s_od, out.to(out_row.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["num_partitions", "min_partition"])
@@ -374,8 +307,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """Combine the partitions of one (sequence, query head); partitions past the context are skipped.
-    (Where arrival counters exist, the partition kernel's last program does this itself.)"""
+    """Combine the partitions of one (sequence, query head); partitions past the context are skipped."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     early_launch.wait_then_release(PDL)
@@ -383,8 +315,28 @@ def _decode_reduce_kernel(
     partition = _partition_len(ctx, num_partitions, min_partition, BLOCK_N)
     used = tl.minimum((ctx + partition - 1) // partition, num_partitions)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_partitions
-    _merge_partitions(m_ptr, l_ptr, acc_ptr, base, used, out_ptr + b.to(tl.int64) * s_ob + h * s_oh, s_od,
-                      HEAD_DIM, D_PAD, CHUNK)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    c = tl.arange(0, CHUNK)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for p0 in range(0, used, CHUNK):
+        p = p0 + c
+        p_ok = p < used
+        m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))
+        l = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
+        a = tl.load(acc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :],
+                    mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.exp2(m - m_safe)  # [CHUNK]
+        l_run = l_run * alpha + tl.sum(l * w, axis=0)
+        acc = acc * alpha + tl.sum(a * w[:, None], axis=0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @dataclass(frozen=True)
@@ -432,10 +384,10 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
                                 num_partitions: int | None = None, min_partition: int | None = None,
                                 block_n: int | None = None, k_scales=None, v_scales=None,
                                 num_warps: int | None = None, num_stages: int = 2,
-                                max_registers: int | None = None, merge_in_launch: bool | None = None):
+                                max_registers: int | None = None):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
-    shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages, a cap
-    on registers per thread, and whether partitions merge in the same launch (None: MERGE_IN_LAUNCH)."""
+    shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages and a cap
+    on registers per thread."""
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
@@ -462,25 +414,21 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     g_pad = max(16, next_pow2(group))
     ks, vs, ss_b, ss_o, ss_h, quant, prec = cache_args(query, k_cache, k_scales, v_scales)
-    counters = None
-    if not single and (MERGE_IN_LAUNCH if merge_in_launch is None else merge_in_launch) \
-            and batch * kv_heads <= ARRIVAL_SLOTS:
-        counters = arrival_counters(query.device, "decode")
     grid = (batch, kv_heads, num_partitions)
     early = early_launch.launch_args(query.device)
     _decode_partition_kernel[grid](
         query, k_cache, v_cache, ks, vs, block_tables, context_lens,
-        out, m_buf, l_buf, acc_buf, counters if counters is not None else out,
+        out, m_buf, l_buf, acc_buf,
         float(scale) * LOG2E, table_width, num_partitions, min_partition,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), ss_b, ss_o, ss_h,
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
         WHOLE_TILES=launch.whole_tiles, F16=quant and launch.fp16_products and query.dtype != torch.float32,
-        MERGE=counters is not None, CHUNK=REDUCE_CHUNK, num_warps=num_warps, num_stages=num_stages, **early,
+        num_warps=num_warps, num_stages=num_stages, **early,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    if not single and counters is None:
+    if not single:
         _decode_reduce_kernel[(batch, q_heads)](
             m_buf, l_buf, acc_buf, context_lens, out, num_partitions, min_partition, *out.stride(),
             HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=tile, CHUNK=REDUCE_CHUNK,

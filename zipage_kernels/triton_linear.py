@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from zipage.kernels import early_launch, triton_fused
-from zipage.kernels.triton_attention import ARRIVAL_SLOTS, arrival_counters, dot_precision, next_pow2, num_sms
+from zipage.kernels.triton_attention import dot_precision, next_pow2, num_sms
 
 MAX_ROWS = 16  # x rows a skinny product takes; above this, cuBLAS's tiles fill up
 
@@ -257,6 +257,20 @@ def _finish(acc, sumsq, K, eps, b_ptr, y_ptr, m, rn, n_ok, out_mask, s_ym,
 # ---------------------------------------------------------------------------------------------
 # Launch
 
+COUNTER_SLOTS = 1 << 14  # column tiles a split-K product may have
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor | None:
+    """The split-K arrival counters of this device, zero between products. Made on first use,
+    which must not be inside a graph capture (the engine's warm-up forward comes first); None then."""
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int = PLAIN,
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
@@ -276,7 +290,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pdl = pdl_prefetch_lines(weight) if pdl is None else pdl
     split = cfg.split_k
     tiles = triton.cdiv(n, cfg.block_n)
-    counters = arrival_counters(x.device, "skinny") if split > 1 and tiles <= ARRIVAL_SLOTS else None
+    counters = _counter_buffer(x.device) if split > 1 and tiles <= COUNTER_SLOTS else None
     if counters is None:
         split = 1
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
