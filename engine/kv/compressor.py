@@ -182,6 +182,7 @@ class Compressor:
         token_slots = table[:, None] * bs + torch.arange(bs, device=table.device)[None, :]
         token_slots = token_slots.flatten()[:kv_len]  # slot of each scored entry
         scale = runner.head_dim ** -0.5
+        always = self._always_kept(kv_len, kept, table.device)  # the same entries in every layer
         # Each entry's position moves with it, and each kept entry records the score that ranked it
         # (docs/design-notes.md, "What a request still holds").
         for layer in range(runner.num_layers):
@@ -189,7 +190,7 @@ class Compressor:
             k_cache, k_scales = cache["k_cache"], cache["k_scales"]
             tables = (runner.position_cache[layer], runner.choice_cache[layer])
             if cfg.eviction != "score":
-                self._compact_baseline(kv_len, cache, token_slots, dst, kept, keep, tables)
+                self._compact_baseline(kv_len, cache, token_slots, dst, always, keep, tables)
                 continue
             queries = runner.query_cache[layer].index_select(0, window_rows)
             attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale, k_scales=k_scales)
@@ -206,17 +207,18 @@ class Compressor:
                 redundancy = kernels.redundancy_score(keys, bs if cfg.lightning_redundancy else None,
                                                       NEAR_DUPLICATE, cfg.redundancy_temperature)
                 final = cfg.redundancy_lambda * attention - (1 - cfg.redundancy_lambda) * redundancy
-            chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)  # [kv_heads, keep], ascending
+            chosen = kernels.keep_indices(final.masked_fill(always, float("inf")), keep)  # [kv_heads, keep], ascending
             kernels.compact_kv(k_cache, cache["v_cache"], runner.score_cache[layer], token_slots[chosen], dst,
                                attention.gather(1, chosen), *tables, final.gather(1, chosen),
                                k_scales=k_scales, v_scales=cache["v_scales"])
 
-    def _protect(self, final: torch.Tensor, kv_len: int, kept: torch.Tensor) -> torch.Tensor:
-        """Entries a compression always keeps: kept = [leading, newest] counts (`protected`), read on
-        the device so a captured graph serves every request."""
-        position = torch.arange(kv_len, device=final.device)
-        always = (position < kept[0]) | (position >= kv_len - kept[1])
-        return final.masked_fill_(always, float("inf"))
+    @staticmethod
+    def _always_kept(kv_len: int, kept: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Which of the kv_len entries a compression always keeps [kv_len]: kept = [leading, newest]
+        counts (`protected`), read on the device so a captured graph serves every request. Made once
+        a compression, not once a layer: a graph replay is mostly small launches."""
+        position = torch.arange(kv_len, device=device)
+        return (position < kept[0]) | (position >= kv_len - kept[1])
 
     def capture_graphs(self) -> None:
         """CUDA graphs of the usual compression (a decoding request at the trigger length), one for a
@@ -228,16 +230,17 @@ class Compressor:
         for first in (True, False):
             self.graphs[(self.geometry.budget_tokens, first)] = CompressionGraph(self, first)
 
-    def _compact_baseline(self, kv_len, cache, token_slots, dst, kept, keep, tables) -> None:
+    def _compact_baseline(self, kv_len, cache, token_slots, dst, always, keep, tables) -> None:
         """The comparison policies at the same budget: random eviction, or sinks + most recent.
-        `cache`: this layer's ModelRunner.layer_cache; `tables`: its (position, choice) tables."""
+        `cache`: this layer's ModelRunner.layer_cache; `tables`: its (position, choice) tables;
+        `always`: the entries kept whatever their score (`_always_kept`)."""
         k_cache = cache["k_cache"]
         kv_heads = k_cache.shape[2]
         if self.config.eviction == "random":
             final = torch.rand((kv_heads, kv_len), generator=self.generator, device=k_cache.device)
         else:
             final = torch.arange(kv_len, device=k_cache.device, dtype=torch.float32).expand(kv_heads, -1)
-        chosen = kernels.keep_indices(self._protect(final.clone(), kv_len, kept), keep)
+        chosen = kernels.keep_indices(final.masked_fill(always, float("inf")), keep)
         kernels.compact_kv(k_cache, cache["v_cache"], None, token_slots[chosen], dst, None, *tables,
                            final.gather(1, chosen), k_scales=cache["k_scales"], v_scales=cache["v_scales"])
 
