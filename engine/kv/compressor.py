@@ -183,22 +183,28 @@ class Compressor:
         token_slots = token_slots.flatten()[:kv_len]  # slot of each scored entry
         scale = runner.head_dim ** -0.5
         always = self._always_kept(kv_len, kept, table.device)  # the same entries in every layer
+        scored = cfg.eviction == "score"
+        # Every layer's window queries and previous scores in one gather each (layer-major tables; no
+        # compaction writes what another layer reads).
+        window_queries = runner.query_cache.index_select(1, window_rows) if scored else None
+        previous_scores = (runner.score_cache.index_select(1, token_slots)
+                           if scored and cfg.use_global_score else None)
         # Each entry's position moves with it, and each kept entry records the score that ranked it
         # (docs/design-notes.md, "What a request still holds").
         for layer in range(runner.num_layers):
             cache = runner.layer_cache(layer)  # K/V blocks and, when 8-bit, their scales
             k_cache, k_scales = cache["k_cache"], cache["k_scales"]
             tables = (runner.position_cache[layer], runner.choice_cache[layer])
-            if cfg.eviction != "score":
+            if not scored:
                 self._compact_baseline(kv_len, cache, token_slots, dst, always, keep, tables)
                 continue
-            queries = runner.query_cache[layer].index_select(0, window_rows)
-            attention = kernels.window_attention_score(queries, k_cache, table, kv_len, scale, k_scales=k_scales)
+            attention = kernels.window_attention_score(window_queries[layer], k_cache, table, kv_len, scale,
+                                                       k_scales=k_scales)
             if cfg.enable_pooling and first:
                 attention = kernels.pool_scores(attention, cfg.pooling_kernel)
             if cfg.use_global_score:
-                previous = runner.score_cache[layer].index_select(0, token_slots).t()
-                attention = kernels.global_score_merge(attention, previous, num_scored, cfg.global_decay)
+                attention = kernels.global_score_merge(attention, previous_scores[layer].t(), num_scored,
+                                                       cfg.global_decay)
             final = attention
             if cfg.use_redundancy:
                 # 8-bit keys are dequantized straight into the model's dtype: there the similarity
