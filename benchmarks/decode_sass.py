@@ -3,6 +3,7 @@ memory and the instruction mix of its key loops, from Triton's own ptxas and cuo
 
     python3 benchmarks/decode_sass.py --cache int8
     python3 benchmarks/decode_sass.py --cache fp8 --warps 2 --tile 32 --max-registers 0 --json out.json
+    python3 benchmarks/decode_sass.py --cache fp8 --sass fp8_loops.sass   # the loops' instructions themselves
 
 A decode program's time goes to the instructions of its loop over key tiles, and its registers set
 how many programs share an SM (65,536 registers a multiprocessor). Launch settings default to the
@@ -52,17 +53,22 @@ def signature(fn, cache: str, constexprs: dict, values_keys_first: bool) -> tupl
     return sig, consts, attrs
 
 
-def loops(sass: str) -> list[collections.Counter]:
-    """The instruction mix of each loop: the instructions between a backward branch and its target."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of each loop: those between a backward branch and its target."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     found = []
     for addr, text in ins:
         target = re.search(r"BRA\s.*0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             start = int(target.group(1), 16)
-            found.append(collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                                             for a, t in ins if start <= a <= addr))
+            found.append([t for a, t in ins if start <= a <= addr])
     return found
+
+
+def loops(sass: str) -> list[collections.Counter]:
+    """The instruction mix of each loop (opcodes without their modifiers or predicates)."""
+    return [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            for body in loop_bodies(sass)]
 
 
 def main(argv=None) -> dict:
@@ -79,6 +85,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--values-keys-first", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sass", default=None, help="write each loop's instructions to this file")
     args = parser.parse_args(argv)
 
     import torch
@@ -126,6 +133,10 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.sass:
+        with open(args.sass, "w") as f:
+            for i, body in enumerate(loop_bodies(sass)):
+                f.write(f"// loop {i}: {len(body)} instructions a warp and tile\n" + "\n".join(body) + "\n")
     return result
 
 

@@ -44,3 +44,15 @@ def test_whole_tiles_cut_the_int8_loop(tmp_path):
     whole = compile_launch(tmp_path, "--cache", "int8")["loops"][0]["instructions"]
     masked = compile_launch(tmp_path, "--cache", "int8", "--masked")["loops"][0]["instructions"]
     assert whole < 0.9 * masked, (whole, masked)
+
+
+def test_loop_instructions_written_out(tmp_path):
+    """--sass writes each loop's instructions, as many as the counts report, with its products in it."""
+    sass = tmp_path / "loops.sass"
+    result = compile_launch(tmp_path, "--cache", "fp8", "--sass", str(sass))
+    bodies = sass.read_text().split("// loop ")[1:]
+    assert len(bodies) == len(result["loops"])
+    for body, loop in zip(bodies, result["loops"]):
+        lines = body.strip().splitlines()
+        assert len(lines) - 1 == loop["instructions"]
+        assert sum("HMMA" in line for line in lines) == loop["mix"]["HMMA"]
