@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -84,6 +85,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--values-keys-first", action="store_true")
+    parser.add_argument("--ptx-codes", choices=("auto", "on", "off"), default="auto",
+                        help="8-bit codes meet fp16 products through codes_as's PTX (on), through the compiler's "
+                             "casts (off), or as the engine's launch has it (auto)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sass", default=None, help="write each loop's instructions to this file")
     args = parser.parse_args(argv)
@@ -97,12 +101,16 @@ def main(argv=None) -> dict:
     from zipage.kernels import triton_attention as ta
 
     launch = ta.decode_launch(KV_CODE_DTYPES.get(args.cache, torch.bfloat16))
+    if args.ptx_codes != "auto":
+        on = args.ptx_codes == "on"
+        launch = dataclasses.replace(launch, ptx_codes=on, fp16_products=launch.fp16_products or on)
     warps, tile = args.warps or launch.warps, args.tile or launch.tile
     cap = launch.max_registers if args.max_registers is None else (args.max_registers or None)
     constexprs = dict(GROUP=args.group, G_PAD=max(16, ta.next_pow2(args.group)), HEAD_DIM=args.head_dim,
                       D_PAD=max(16, ta.next_pow2(args.head_dim)), BLOCK_SIZE=args.block_size, BLOCK_N=tile,
                       SINGLE=True, PREC="tf32", QUANT=args.cache != "bf16",
-                      WHOLE_TILES=launch.whole_tiles and not args.masked, F16=launch.fp16_products, PDL=False)
+                      WHOLE_TILES=launch.whole_tiles and not args.masked, F16=launch.fp16_products, PDL=False,
+                      PTX=launch.fp16_products and launch.ptx_codes)
     fn = ta._decode_partition_kernel
     sig, consts, attrs = signature(fn, args.cache, constexprs, args.values_keys_first)
     options = dict(num_warps=warps, num_stages=args.stages, **({"maxnreg": cap} if cap else {}))
@@ -120,7 +128,7 @@ def main(argv=None) -> dict:
     programs_per_sm = 65536 // (resources["reg"] * 32 * warps)
     result = {"triton": triton.__version__, "cache": args.cache, "warps": warps, "tile": tile,
               "stages": args.stages, "max_registers": cap, "whole_tiles": constexprs["WHOLE_TILES"],
-              "fp16_products": launch.fp16_products,
+              "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
               "programs_per_sm_by_registers": programs_per_sm,
               "loops": [{"instructions": sum(c.values()), "mix": dict(c.most_common(14))} for c in loops(sass)]}

@@ -17,6 +17,7 @@ the wall clock: a check of the script, not a benchmark.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -36,6 +37,24 @@ def variants(args):
             for warps in args.warps.split(","):
                 for registers in args.max_registers.split(","):
                     yield tile, auto(ways), auto(warps), auto(registers)
+
+
+def cache_variants(args):
+    """(label, dtype, conversion variant) for every cache; only 8-bit caches vary by --codes."""
+    for label, dtype in CACHES:
+        for codes in (args.codes.split(",") if dtype is not None else ["engine"]):
+            yield label, dtype, codes
+
+
+def code_launch(launch, codes: str):
+    """The decode launch of a --codes variant."""
+    if codes == "ptx":
+        return dataclasses.replace(launch, fp16_products=True, ptx_codes=True)
+    if codes == "cast":
+        return dataclasses.replace(launch, ptx_codes=False)
+    if codes != "engine":
+        raise SystemExit(f"--codes: unknown variant {codes!r} (engine, ptx, cast)")
+    return launch
 
 
 def time_us(call, device: str) -> float:
@@ -58,6 +77,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-registers", default="auto",
                         help="registers a thread at most, comma-separated (auto: the engine's cap per cache; "
                              "benchmarks/decode_sass.py shows what a cap spills)")
+    parser.add_argument("--codes", default="engine",
+                        help="8-bit caches' conversions, comma-separated: engine (the launch's), ptx (fp16 products "
+                             "through codes_as's PTX), cast (fp16 products through the compiler's casts; int8: "
+                             "bf16 products as before)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of every variant of a shape")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
@@ -105,15 +128,16 @@ def main(argv=None) -> dict:
                                                       scale=scale, **caches[label]) for label in checked}
         rows, calls = [], []
         for tile, ways, warps, registers in variants(args):
-            for label, dtype in CACHES:
+            for label, dtype, codes in cache_variants(args):
                 cache = caches[label]
-                launch = triton_attention.decode_launch(dtype or model_dtype)
+                launch = code_launch(triton_attention.decode_launch(dtype or model_dtype), codes)
                 call = functools.partial(
                     triton_attention.paged_decode_attention_impl, query, cache["k_cache"], cache["v_cache"], tables,
                     ctx, scale, num_partitions=ways, block_n=tile, k_scales=cache.get("k_scales"),
-                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers)
+                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers, launch=launch)
                 row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
-                       "warps": warps or launch.warps, "max_registers": registers or launch.max_registers}
+                       "warps": warps or launch.warps, "max_registers": registers or launch.max_registers,
+                       "codes": codes}
                 if label in expected:
                     row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
                 rows.append(row)

@@ -56,3 +56,17 @@ def test_loop_instructions_written_out(tmp_path):
         lines = body.strip().splitlines()
         assert len(lines) - 1 == loop["instructions"]
         assert sum("HMMA" in line for line in lines) == loop["mix"]["HMMA"]
+
+
+@pytest.mark.parametrize("cache", ["fp8", "int8"])
+def test_ptx_codes_move_the_value_tile_as_16_bit_values(tmp_path, cache):
+    """With the codes converted through codes_as's PTX where they were loaded, the whole-tile loop
+    transposes the value tile with ldmatrix rather than gathering its bytes one load at a time."""
+    def loop0(*flags):
+        sass = tmp_path / "loops.sass"
+        compile_launch(tmp_path, "--cache", cache, *flags, "--sass", str(sass))
+        return sass.read_text().split("// loop ")[1]
+
+    ptx, cast = loop0("--ptx-codes", "on"), loop0("--ptx-codes", "off")
+    assert "LDS.U8" not in ptx and "LDSM.16.MT88" in ptx
+    assert "LDS.U8" in cast or "LDS.S8" in cast

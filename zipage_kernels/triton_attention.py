@@ -61,12 +61,54 @@ def _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N: tl.constexp
     return tl.maximum(blk, 0).to(tl.int64), t_ok & (blk >= 0)
 
 
+# Four 8-bit codes ($2, lowest byte first) to four fp16 in two registers ($0: the first two, low
+# half first; $1: the last two); both exact. e4m3: the hardware's pair conversion. int8: each code
+# offset by 128 becomes the low mantissa byte of 1024 in fp16 (0x64XX is 1024 + XX), then 1152 is
+# taken off two at a time (tests/test_code_conversions.py runs both on every byte).
+E4M3_TO_F16_PTX = tl.constexpr(
+    "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi;}")
+INT8_TO_F16_PTX = tl.constexpr(
+    "{.reg .b32 y, m; xor.b32 y, $2, 0x80808080; mov.b32 m, 0x64806480;"
+    " prmt.b32 $0, y, 0x64646464, 0x4140; prmt.b32 $1, y, 0x64646464, 0x4342;"
+    " sub.rn.f16x2 $0, $0, m; sub.rn.f16x2 $1, $1, m;}")
+
+
 @triton.jit
-def codes_and_scales(codes, scales_ptr, blk, off, kvh, row_ok, ss_b, ss_o, ss_h, dtype: tl.constexpr):
+def e4m3_to_f16(codes, PURE: tl.constexpr):
+    return tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [codes.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def int8_to_f16(codes, PURE: tl.constexpr):
+    return tl.inline_asm_elementwise(INT8_TO_F16_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def codes_as(codes, dtype: tl.constexpr, IN_PTX: tl.constexpr = False, WHERE_LOADED: tl.constexpr = False):
+    """A tile of 8-bit codes [rows, D] as dtype for tl.dot. IN_PTX (fp16 products, compiled for a
+    GPU: the interpreter runs no PTX) converts them with the PTX blocks above, which are cheaper than
+    the compiler's casts. The compiler moves a pure conversion past the shuffle into the product's
+    operand layout; WHERE_LOADED makes it opaque, so the conversion runs in the layout the tile was
+    loaded in and the shuffle moves 16-bit values, which ldmatrix transposes. A value tile needs
+    that: its operand pairs run along the keys, which lie in different rows, and 8-bit codes are
+    otherwise gathered from shared memory a byte at a time (docs/design-notes.md, "KV in 8 bits")."""
+    if IN_PTX:
+        if codes.dtype == tl.int8:
+            return int8_to_f16(codes, not WHERE_LOADED)
+        else:
+            return e4m3_to_f16(codes, not WHERE_LOADED)
+    else:
+        return codes.to(dtype)
+
+
+@triton.jit
+def codes_and_scales(codes, scales_ptr, blk, off, kvh, row_ok, ss_b, ss_o, ss_h, dtype: tl.constexpr,
+                     IN_PTX: tl.constexpr = False, WHERE_LOADED: tl.constexpr = False):
     """A tile of 8-bit codes [rows, D] of kv head kvh at (cache block blk, offset off) per row, as
-    dtype (the query's, for tl.dot), and each row's scale [rows] (0 where not row_ok): value = code * scale."""
+    dtype (codes_as), and each row's scale [rows] (0 where not row_ok): value = code * scale."""
     scales = tl.load(scales_ptr + blk * ss_b + off * ss_o + kvh * ss_h, mask=row_ok, other=0.0)
-    return codes.to(dtype), scales
+    return codes_as(codes, dtype, IN_PTX, WHERE_LOADED), scales
 
 
 # fp16 products weigh probabilities by value scales times this (a power of two: exact), undone on the
@@ -112,12 +154,13 @@ def _attend_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn, table_width, t0, t, t_ok, q_pos, kvh,
     d, d_ok, scale_log2, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr, F16: tl.constexpr = False,
+    QUANT: tl.constexpr, F16: tl.constexpr = False, PTX: tl.constexpr = False,
 ):
     """Fold the key tile at positions t (valid where t_ok) of one kv head, read through the block
     table, into the running (max, sum, accumulator) of the query rows q. CAUSAL also hides keys
     past each row's position q_pos; without it only missing keys are hidden. QUANT: the caches hold
-    codes, their scales at ks_ptr, vs_ptr (strides ss_*); F16: q is fp16 and so are the products."""
+    codes, their scales at ks_ptr, vs_ptr (strides ss_*); F16: q is fp16 and so are the products;
+    PTX: the codes convert through codes_as's PTX, the values where they were loaded."""
     blk, t_ok = _tile_blocks(table_row, s_tn, table_width, t0, t, t_ok, BLOCK_N, BLOCK_SIZE)
     off = t % BLOCK_SIZE
     kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -125,7 +168,7 @@ def _attend_tile(
                 mask=kv_mask, other=0.0)
     logit_scale = scale_log2
     if QUANT:  # one factor per key: its scale with the softmax scale
-        k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
+        k, k_scales = codes_and_scales(k, ks_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype, PTX)
         logit_scale = (k_scales * scale_log2)[None, :]
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
     if CAUSAL:
@@ -136,7 +179,7 @@ def _attend_tile(
     v = tl.load(v_ptr + (blk * s_vb + off * s_vo)[:, None] + kvh * s_vh + d[None, :] * s_vd,
                 mask=kv_mask, other=0.0)
     if QUANT:  # a value's scale weighs its probability
-        v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype)
+        v, v_scales = codes_and_scales(v, vs_ptr, blk, off, kvh, t_ok, ss_b, ss_o, ss_h, q.dtype, PTX, True)
         p = weigh_by_value_scales(p, v_scales, F16)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
@@ -144,7 +187,8 @@ def _attend_tile(
 
 @triton.jit
 def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok, scale_log2,
-                       FULL_D: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr):
+                       FULL_D: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr,
+                       PTX: tl.constexpr = False):
     """_attend_tile for a tile whose keys are all valid, read through pointers [keys, D] (and [keys]
     for the scales): no masks but a head width short of its power of two (FULL_D false), and every
     query row sees a key, so the softmax needs no -inf guard."""
@@ -155,7 +199,7 @@ def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok,
     logit_scale = scale_log2
     if QUANT:
         logit_scale = (tl.load(ks_tile) * scale_log2)[None, :]
-        k = k.to(q.dtype)
+        k = codes_as(k, q.dtype, PTX)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
     m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, 1.0)
     if FULL_D:
@@ -164,7 +208,7 @@ def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok,
         v = tl.load(v_tile, mask=d_ok[None, :], other=0.0)
     if QUANT:
         p = weigh_by_value_scales(p, tl.load(vs_tile), F16)
-        v = v.to(q.dtype)
+        v = codes_as(v, q.dtype, PTX, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
 
@@ -228,6 +272,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -278,14 +323,14 @@ def _decode_partition_kernel(
                                                v_ptr + blk * s_vb + off0 * s_vo + rel_v,
                                                ks_ptr + blk * ss_b + off0 * ss_o + rel_s,
                                                vs_ptr + blk * ss_b + off0 * ss_o + rel_s,
-                                               d_ok, scale_log2, HEAD_DIM == D_PAD, PREC, QUANT, F16)
+                                               d_ok, scale_log2, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX)
     for t0 in range(tail, end, BLOCK_N):
         t = t0 + n
         # Every key of the context precedes the one query, so nothing is causally hidden.
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, s_tn,
                                      table_width, t0, t, t < end, ctx - 1, kvh, d, d_ok, scale_log2,
                                      s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, ss_b, ss_o, ss_h,
-                                     BLOCK_N, BLOCK_SIZE, False, PREC, QUANT, F16)
+                                     BLOCK_N, BLOCK_SIZE, False, PREC, QUANT, F16, PTX)
     if F16:
         acc = acc * (1.0 / FP16_VALUE_WEIGHT)
 
@@ -343,12 +388,14 @@ def _decode_reduce_kernel(
 class DecodeLaunch:
     """How the decode kernel runs over one kind of cache: warps a program, keys a step of its loop,
     a cap on registers a thread (None: the compiler's choice), whether whole tiles take the unmasked
-    loop, and whether 8-bit codes meet 16-bit queries in fp16 products."""
+    loop, whether 8-bit codes meet 16-bit queries in fp16 products, and whether those codes convert
+    through PTX, values where they were loaded (codes_as; fp16 products only)."""
     warps: int
     tile: int = DECODE_TILE
     max_registers: int | None = None
     whole_tiles: bool = True
     fp16_products: bool = False
+    ptx_codes: bool = False
 
 
 # Per cache: chosen on an H100 over Qwen3-0.6B and -8B attention shapes (docs/benchmarks.md,
@@ -384,10 +431,10 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
                                 num_partitions: int | None = None, min_partition: int | None = None,
                                 block_n: int | None = None, k_scales=None, v_scales=None,
                                 num_warps: int | None = None, num_stages: int = 2,
-                                max_registers: int | None = None):
+                                max_registers: int | None = None, launch: DecodeLaunch | None = None):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
-    shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages and a cap
-    on registers per thread."""
+    shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages, a cap
+    on registers per thread, and the launch settings those default to (None: the cache's)."""
     batch, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
@@ -395,7 +442,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     if batch == 0:
         return out
     table_width = block_tables.shape[1]
-    launch = decode_launch(k_cache.dtype)
+    launch = launch or decode_launch(k_cache.dtype)
     tile = block_n or launch.tile
     num_warps = num_warps or launch.warps
     max_registers = max_registers or launch.max_registers
@@ -414,6 +461,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     d_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     g_pad = max(16, next_pow2(group))
     ks, vs, ss_b, ss_o, ss_h, quant, prec = cache_args(query, k_cache, k_scales, v_scales)
+    f16 = quant and launch.fp16_products and query.dtype != torch.float32
     grid = (batch, kv_heads, num_partitions)
     early = early_launch.launch_args(query.device)
     _decode_partition_kernel[grid](
@@ -424,7 +472,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
-        WHOLE_TILES=launch.whole_tiles, F16=quant and launch.fp16_products and query.dtype != torch.float32,
+        WHOLE_TILES=launch.whole_tiles, F16=f16, PTX=f16 and launch.ptx_codes and query.is_cuda,
         num_warps=num_warps, num_stages=num_stages, **early,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
