@@ -126,15 +126,17 @@ def main(argv=None) -> dict:
                               capture_output=True, text=True, check=True).stdout
     resources = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     programs_per_sm = 65536 // (resources["reg"] * 32 * warps)
+    # Hopper: 228 KB of shared memory a multiprocessor, 1 KB of it reserved per resident program
+    by_shared = 228 * 1024 // (kernel.metadata.shared + 1024) if kernel.metadata.shared else None
     result = {"triton": triton.__version__, "cache": args.cache, "warps": warps, "tile": tile,
               "stages": args.stages, "max_registers": cap, "whole_tiles": constexprs["WHOLE_TILES"],
               "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
-              "programs_per_sm_by_registers": programs_per_sm,
+              "programs_per_sm_by_registers": programs_per_sm, "programs_per_sm_by_shared": by_shared,
               "loops": [{"instructions": sum(c.values()), "mix": dict(c.most_common(14))} for c in loops(sass)]}
     print(f"{args.cache}, {warps} warps, {tile} keys a step, {args.stages} stages, register cap {cap}: "
           f"{resources['reg']} registers ({programs_per_sm} programs an SM), stack {resources['stack']} B, "
-          f"shared {kernel.metadata.shared} B")
+          f"shared {kernel.metadata.shared} B ({by_shared} programs an SM)")
     for i, loop in enumerate(result["loops"]):
         mix = ", ".join(f"{op} {n}" for op, n in loop["mix"].items())
         print(f"  loop {i}: {loop['instructions']} instructions a warp and tile: {mix}")

@@ -36,7 +36,8 @@ def variants(args):
         for ways in args.ways.split(","):
             for warps in args.warps.split(","):
                 for registers in args.max_registers.split(","):
-                    yield tile, auto(ways), auto(warps), auto(registers)
+                    for stages in (int(x) for x in args.stages.split(",")):
+                        yield tile, auto(ways), auto(warps), auto(registers), stages
 
 
 def cache_variants(args):
@@ -77,6 +78,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-registers", default="auto",
                         help="registers a thread at most, comma-separated (auto: the engine's cap per cache; "
                              "benchmarks/decode_sass.py shows what a cap spills)")
+    parser.add_argument("--stages", default="2", help="copy pipeline stages of the key loop, comma-separated")
     parser.add_argument("--codes", default="engine",
                         help="8-bit caches' conversions, comma-separated: engine (the launch's), ptx (fp16 products "
                              "through codes_as's PTX), cast (fp16 products through the compiler's casts; int8: "
@@ -127,17 +129,18 @@ def main(argv=None) -> dict:
         expected = {label: ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
                                                       scale=scale, **caches[label]) for label in checked}
         rows, calls = [], []
-        for tile, ways, warps, registers in variants(args):
+        for tile, ways, warps, registers, stages in variants(args):
             for label, dtype, codes in cache_variants(args):
                 cache = caches[label]
                 launch = code_launch(triton_attention.decode_launch(dtype or model_dtype), codes)
                 call = functools.partial(
                     triton_attention.paged_decode_attention_impl, query, cache["k_cache"], cache["v_cache"], tables,
                     ctx, scale, num_partitions=ways, block_n=tile, k_scales=cache.get("k_scales"),
-                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers, launch=launch)
+                    v_scales=cache.get("v_scales"), num_warps=warps, max_registers=registers, num_stages=stages,
+                    launch=launch)
                 row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
                        "warps": warps or launch.warps, "max_registers": registers or launch.max_registers,
-                       "codes": codes}
+                       "stages": stages, "codes": codes}
                 if label in expected:
                     row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
                 rows.append(row)

@@ -404,6 +404,8 @@ class DecodeLaunch:
 # An int8 tile does twice bf16's products and conversions per byte read, so its programs are 2
 # warps, capped to keep six on an SM. e4m3 codes convert to fp16 in one instruction a pair, to bf16
 # in four (two of them F2F, at a quarter of the FP32 rate), so an fp8 cache meets fp16 queries.
+# Codes through PTX (ptx_codes) cut each 8-bit loop's instructions but bought fp8 nothing and cost
+# int8 resident programs at the memory-pressure batch: off (docs/design-notes.md, "KV in 8 bits").
 DECODE_LAUNCH = {"model": DecodeLaunch(4, whole_tiles=False),
                  torch.int8: DecodeLaunch(2, max_registers=168),
                  torch.float8_e4m3fn: DecodeLaunch(4, fp16_products=True)}
