@@ -1275,13 +1275,14 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
         report.check(f"{name} gather_kv", float(diff), 0, f"{kv_len} entries dequantized into {dt}, and the {dt} cache",
                      exact=True)
 
-    def decode(label, lens, ways=None):
+    def decode(label, lens, ways=None, launch=None):
         k_codes, v_codes, k_scales, v_scales, tables, (keys, values) = _coded_paged(lens, s, s.head_dim, gen, fp8)
         query = randn((len(lens), s.q_heads, s.head_dim), gen, dev, dt)
         ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
         scale = s.head_dim ** -0.5
         out = triton_attention.paged_decode_attention_impl(query, k_codes, v_codes, tables, ctx, scale,
-                                                           num_partitions=ways, k_scales=k_scales, v_scales=v_scales)
+                                                           num_partitions=ways, k_scales=k_scales, v_scales=v_scales,
+                                                           launch=launch)
         expected = ref.paged_decode_attention(query.float(), k_codes, v_codes, tables, ctx, scale,
                                               k_scales=k_scales, v_scales=v_scales)
         report.check(label, rel_err(out, expected), tol, f"B={len(lens)} max_ctx={max(lens)}")
@@ -1334,6 +1335,12 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
     report.attempt(f"{name} decode", decode, f"{name} decode B{s.decode_batch}", torch.randint(
         1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist())
     report.attempt(f"{name} decode split", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx])
+    # the launch option that converts codes through PTX (off in the engine; triton_attention.codes_as)
+    ptx = dataclasses.replace(triton_attention.decode_launch(fp8), fp16_products=True, ptx_codes=True)
+    report.attempt(f"{name} decode, PTX codes", decode, f"{name} decode B{s.decode_batch}, PTX codes",
+                   torch.randint(1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist(), None, ptx)
+    report.attempt(f"{name} decode split, PTX codes", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K), PTX codes",
+                   [s.long_ctx], None, ptx)
     report.attempt(f"{name} prefill", prefill)
     report.attempt(f"{name} window score", window)
     report.attempt(f"{name} timing", timing)
