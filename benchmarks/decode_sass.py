@@ -72,6 +72,17 @@ def loops(sass: str) -> list[collections.Counter]:
             for body in loop_bodies(sass)]
 
 
+def copy_groups_left_at_wait(body: list[str]) -> int | None:
+    """How many groups of asynchronous copies a loop leaves in flight where it waits for its tile
+    (DEPBAR.LE SB0, N): 0 means it waits for every copy it issued, so a tile's load overlaps no
+    computation of its own program; None: the loop issues no such wait."""
+    for line in body:
+        m = re.match(r"DEPBAR\.LE SB0, (0x[0-9a-f]+|\d+)", line)
+        if m:
+            return int(m.group(1), 0)
+    return None
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", choices=sorted(CODE_TYPES), default="int8")
@@ -133,13 +144,16 @@ def main(argv=None) -> dict:
               "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
               "programs_per_sm_by_registers": programs_per_sm, "programs_per_sm_by_shared": by_shared,
-              "loops": [{"instructions": sum(c.values()), "mix": dict(c.most_common(14))} for c in loops(sass)]}
+              "loops": [{"instructions": sum(c.values()), "mix": dict(c.most_common(14)),
+                         "copy_groups_left_at_wait": copy_groups_left_at_wait(body)}
+                        for c, body in zip(loops(sass), loop_bodies(sass))]}
     print(f"{args.cache}, {warps} warps, {tile} keys a step, {args.stages} stages, register cap {cap}: "
           f"{resources['reg']} registers ({programs_per_sm} programs an SM), stack {resources['stack']} B, "
           f"shared {kernel.metadata.shared} B ({by_shared} programs an SM)")
     for i, loop in enumerate(result["loops"]):
         mix = ", ".join(f"{op} {n}" for op, n in loop["mix"].items())
-        print(f"  loop {i}: {loop['instructions']} instructions a warp and tile: {mix}")
+        print(f"  loop {i}: {loop['instructions']} instructions a warp and tile, "
+              f"{loop['copy_groups_left_at_wait']} copy groups left in flight at its wait: {mix}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -70,3 +70,12 @@ def test_ptx_codes_move_the_value_tile_as_16_bit_values(tmp_path, cache):
     ptx, cast = loop0("--ptx-codes", "on"), loop0("--ptx-codes", "off")
     assert "LDS.U8" not in ptx and "LDSM.16.MT88" in ptx
     assert "LDS.U8" in cast or "LDS.S8" in cast
+
+
+def test_copy_waits_are_read_from_the_loops(tmp_path):
+    """Each loop reports how many copy groups it leaves in flight where it waits for its tile: the
+    masked loop compiled with three stages waits for the next tile only, with later copies still out."""
+    masked = compile_launch(tmp_path, "--cache", "fp8", "--masked", "--stages", "3")["loops"][0]
+    assert masked["copy_groups_left_at_wait"] is not None and masked["copy_groups_left_at_wait"] > 0, masked
+    loops = compile_launch(tmp_path, "--cache", "fp8")["loops"]
+    assert all(isinstance(loop["copy_groups_left_at_wait"], int) for loop in loops), loops
