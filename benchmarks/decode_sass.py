@@ -66,10 +66,9 @@ def loop_bodies(sass: str) -> list[list[str]]:
     return found
 
 
-def loops(sass: str) -> list[collections.Counter]:
-    """The instruction mix of each loop (opcodes without their modifiers or predicates)."""
-    return [collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            for body in loop_bodies(sass)]
+def instruction_mix(body: list[str]) -> collections.Counter:
+    """A loop's instruction mix (opcodes without their modifiers or predicates)."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
 
 
 def copy_groups_left_at_wait(body: list[str]) -> int | None:
@@ -112,9 +111,10 @@ def main(argv=None) -> dict:
     from zipage.kernels import triton_attention as ta
 
     launch = ta.decode_launch(KV_CODE_DTYPES.get(args.cache, torch.bfloat16))
-    if args.ptx_codes != "auto":
-        on = args.ptx_codes == "on"
-        launch = dataclasses.replace(launch, ptx_codes=on, fp16_products=launch.fp16_products or on)
+    if args.ptx_codes == "on":
+        launch = launch.with_ptx_codes()
+    elif args.ptx_codes == "off":
+        launch = dataclasses.replace(launch, ptx_codes=False)
     warps, tile = args.warps or launch.warps, args.tile or launch.tile
     cap = launch.max_registers if args.max_registers is None else (args.max_registers or None)
     constexprs = dict(GROUP=args.group, G_PAD=max(16, ta.next_pow2(args.group)), HEAD_DIM=args.head_dim,
@@ -138,15 +138,15 @@ def main(argv=None) -> dict:
     resources = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     programs_per_sm = 65536 // (resources["reg"] * 32 * warps)
     # Hopper: 228 KB of shared memory a multiprocessor, 1 KB of it reserved per resident program
+    bodies = loop_bodies(sass)
     by_shared = 228 * 1024 // (kernel.metadata.shared + 1024) if kernel.metadata.shared else None
     result = {"triton": triton.__version__, "cache": args.cache, "warps": warps, "tile": tile,
               "stages": args.stages, "max_registers": cap, "whole_tiles": constexprs["WHOLE_TILES"],
               "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
               "programs_per_sm_by_registers": programs_per_sm, "programs_per_sm_by_shared": by_shared,
-              "loops": [{"instructions": sum(c.values()), "mix": dict(c.most_common(14)),
-                         "copy_groups_left_at_wait": copy_groups_left_at_wait(body)}
-                        for c, body in zip(loops(sass), loop_bodies(sass))]}
+              "loops": [{"instructions": len(body), "mix": dict(instruction_mix(body).most_common(14)),
+                         "copy_groups_left_at_wait": copy_groups_left_at_wait(body)} for body in bodies]}
     print(f"{args.cache}, {warps} warps, {tile} keys a step, {args.stages} stages, register cap {cap}: "
           f"{resources['reg']} registers ({programs_per_sm} programs an SM), stack {resources['stack']} B, "
           f"shared {kernel.metadata.shared} B ({by_shared} programs an SM)")
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
             json.dump(result, f, indent=1)
     if args.sass:
         with open(args.sass, "w") as f:
-            for i, body in enumerate(loop_bodies(sass)):
+            for i, body in enumerate(bodies):
                 f.write(f"// loop {i}: {len(body)} instructions a warp and tile\n" + "\n".join(body) + "\n")
     return result
 

@@ -1336,7 +1336,7 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
         1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist())
     report.attempt(f"{name} decode split", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K)", [s.long_ctx])
     # the launch option that converts codes through PTX (off in the engine; triton_attention.codes_as)
-    ptx = dataclasses.replace(triton_attention.decode_launch(fp8), fp16_products=True, ptx_codes=True)
+    ptx = triton_attention.decode_launch(fp8).with_ptx_codes()
     report.attempt(f"{name} decode, PTX codes", decode, f"{name} decode B{s.decode_batch}, PTX codes",
                    torch.randint(1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist(), None, ptx)
     report.attempt(f"{name} decode split, PTX codes", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K), PTX codes",

@@ -49,11 +49,11 @@ def cache_variants(args):
 
 def code_launch(launch, codes: str):
     """The decode launch of a --codes variant."""
-    variants = {"engine": {}, "ptx": dict(fp16_products=True, ptx_codes=True), "cast": dict(ptx_codes=False),
-                "masked": dict(whole_tiles=False)}
+    variants = {"engine": lambda: launch, "ptx": launch.with_ptx_codes,
+                "masked": lambda: dataclasses.replace(launch, whole_tiles=False)}
     if codes not in variants:
         raise SystemExit(f"--codes: unknown variant {codes!r} ({', '.join(variants)})")
-    return dataclasses.replace(launch, **variants[codes])
+    return variants[codes]()
 
 
 def time_us(call, device: str) -> float:
@@ -79,8 +79,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--stages", default="2", help="copy pipeline stages of the key loop, comma-separated")
     parser.add_argument("--codes", default="engine",
                         help="8-bit caches' launches, comma-separated: engine (the launch's), ptx (fp16 products "
-                             "through codes_as's PTX), cast (the compiler's casts), masked (every tile through the "
-                             "masked loop, which the copy pipeline reads further ahead at 3 stages or more)")
+                             "through codes_as's PTX), masked (every tile through the masked loop, which the copy "
+                             "pipeline reads further ahead at 3 stages or more)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of every variant of a shape")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)

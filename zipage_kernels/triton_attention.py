@@ -397,6 +397,10 @@ class DecodeLaunch:
     fp16_products: bool = False
     ptx_codes: bool = False
 
+    def with_ptx_codes(self) -> "DecodeLaunch":
+        """This launch with its codes through PTX (and so fp16 products), as the benchmarks time it."""
+        return replace(self, fp16_products=True, ptx_codes=True)
+
 
 # Per cache: chosen on an H100 over Qwen3-0.6B and -8B attention shapes (docs/benchmarks.md,
 # "Decode attention over 8-bit codes: whole tiles and fp16 products"). A cache in the model's dtype
