@@ -29,9 +29,13 @@ CODE_TYPES = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}
 
 def signature(fn, cache: str, constexprs: dict, values_keys_first: bool) -> tuple[dict, dict, dict]:
     """Triton types of the kernel's arguments as the engine passes them: unit strides become
-    constants (Triton specialises them so at launch), other integers are multiples of 16."""
+    constants (Triton specialises them so at launch), other integers are multiples of 16, and the
+    caches' descriptors (TMA) are tiles of BLOCK_N keys by HEAD_DIM."""
     quant = cache != "bf16"
+    desc = (f"tensordesc<{CODE_TYPES[cache][1:]}[{constexprs['BLOCK_N']}, {constexprs['HEAD_DIM']}]>"
+            if constexprs.get("TMA") else CODE_TYPES[cache])
     pointers = {"q_ptr": "*bf16", "k_ptr": CODE_TYPES[cache], "v_ptr": CODE_TYPES[cache],
+                "k_desc": desc, "v_desc": desc,
                 "ks_ptr": "*fp32" if quant else CODE_TYPES[cache], "vs_ptr": "*fp32" if quant else CODE_TYPES[cache],
                 "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32"}
@@ -44,7 +48,8 @@ def signature(fn, cache: str, constexprs: dict, values_keys_first: bool) -> tupl
             consts[name] = constexprs.get(name, 1)
         elif name in pointers:
             sig[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if pointers[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "scale_log2":
             sig[name] = "fp32"
         else:
@@ -87,7 +92,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cache", choices=sorted(CODE_TYPES), default="int8")
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--tile", type=int, default=None, help="keys a step of the loop")
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=None, help="copy pipeline stages (default: the launch's)")
     parser.add_argument("--max-registers", type=int, default=None, help="0: no cap (default: the engine's)")
     parser.add_argument("--masked", action="store_true", help="every tile through the masked loop")
     # (the query is bf16, so an fp8 cache takes fp16 products as the engine's launch says)
@@ -98,6 +103,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--ptx-codes", choices=("auto", "on", "off"), default="auto",
                         help="8-bit codes meet fp16 products through codes_as's PTX (on), through the compiler's "
                              "casts (off), or as the engine's launch has it (auto)")
+    parser.add_argument("--tma", choices=("auto", "on", "off"), default="auto",
+                        help="whole tiles come by bulk copy (on; whole tiles for every cache), by each thread's "
+                             "loads (off), or as the engine's launch has it (auto)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sass", default=None, help="write each loop's instructions to this file")
     args = parser.parse_args(argv)
@@ -115,13 +123,17 @@ def main(argv=None) -> dict:
         launch = launch.with_ptx_codes()
     elif args.ptx_codes == "off":
         launch = dataclasses.replace(launch, ptx_codes=False)
+    if args.tma != "auto":  # (bulk copies are for whole tiles)
+        launch = dataclasses.replace(launch, tma=args.tma == "on", whole_tiles=launch.whole_tiles or args.tma == "on")
     warps, tile = args.warps or launch.warps, args.tile or launch.tile
+    args.stages = args.stages or launch.stages
     cap = launch.max_registers if args.max_registers is None else (args.max_registers or None)
     constexprs = dict(GROUP=args.group, G_PAD=max(16, ta.next_pow2(args.group)), HEAD_DIM=args.head_dim,
                       D_PAD=max(16, ta.next_pow2(args.head_dim)), BLOCK_SIZE=args.block_size, BLOCK_N=tile,
                       SINGLE=True, PREC="tf32", QUANT=args.cache != "bf16",
                       WHOLE_TILES=launch.whole_tiles and not args.masked, F16=launch.fp16_products, PDL=False,
-                      PTX=launch.fp16_products and launch.ptx_codes)
+                      PTX=launch.fp16_products and launch.ptx_codes,
+                      TMA=launch.tma and launch.whole_tiles and not args.masked)
     fn = ta._decode_partition_kernel
     sig, consts, attrs = signature(fn, args.cache, constexprs, args.values_keys_first)
     options = dict(num_warps=warps, num_stages=args.stages, **({"maxnreg": cap} if cap else {}))
@@ -143,6 +155,7 @@ def main(argv=None) -> dict:
     result = {"triton": triton.__version__, "cache": args.cache, "warps": warps, "tile": tile,
               "stages": args.stages, "max_registers": cap, "whole_tiles": constexprs["WHOLE_TILES"],
               "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
+              "tma": constexprs["TMA"],
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
               "programs_per_sm_by_registers": programs_per_sm, "programs_per_sm_by_shared": by_shared,
               "loops": [{"instructions": len(body), "mix": dict(instruction_mix(body).most_common(14)),

@@ -36,21 +36,24 @@ def variants(args):
         for ways in args.ways.split(","):
             for warps in args.warps.split(","):
                 for registers in args.max_registers.split(","):
-                    for stages in (int(x) for x in args.stages.split(",")):
+                    for stages in (auto(x) for x in args.stages.split(",")):
                         yield tile, auto(ways), auto(warps), auto(registers), stages
 
 
 def cache_variants(args):
-    """(label, dtype, conversion variant) for every cache; only 8-bit caches vary by --codes."""
+    """(label, dtype, launch variant) for every cache; a cache in the model's dtype takes only the
+    variants that are not about 8-bit codes (engine, tma)."""
     for label, dtype in CACHES:
-        for codes in (args.codes.split(",") if dtype is not None else ["engine"]):
-            yield label, dtype, codes
+        for codes in args.codes.split(","):
+            if dtype is not None or codes in ("engine", "tma"):
+                yield label, dtype, codes
 
 
 def code_launch(launch, codes: str):
     """The decode launch of a --codes variant."""
     variants = {"engine": lambda: launch, "ptx": launch.with_ptx_codes,
-                "masked": lambda: dataclasses.replace(launch, whole_tiles=False)}
+                "masked": lambda: dataclasses.replace(launch, whole_tiles=False),
+                "tma": lambda: dataclasses.replace(launch, whole_tiles=True, tma=True)}
     if codes not in variants:
         raise SystemExit(f"--codes: unknown variant {codes!r} ({', '.join(variants)})")
     return variants[codes]()
@@ -76,11 +79,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-registers", default="auto",
                         help="registers a thread at most, comma-separated (auto: the engine's cap per cache; "
                              "benchmarks/decode_sass.py shows what a cap spills)")
-    parser.add_argument("--stages", default="2", help="copy pipeline stages of the key loop, comma-separated")
+    parser.add_argument("--stages", default="auto",
+                        help="copy pipeline stages of the key loop, comma-separated (auto: the launch's)")
     parser.add_argument("--codes", default="engine",
                         help="8-bit caches' launches, comma-separated: engine (the launch's), ptx (fp16 products "
                              "through codes_as's PTX), masked (every tile through the masked loop, which the copy "
-                             "pipeline reads further ahead at 3 stages or more)")
+                             "pipeline reads further ahead at 3 stages or more), tma (whole tiles by bulk copy, "
+                             "every cache)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of every variant of a shape")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
@@ -122,10 +127,11 @@ def main(argv=None) -> dict:
         entries = batch * context * heads
         nbytes = {"bf16": entries * dim * 2 * 2, "fp8": entries * (dim + 4) * 2, "int8": entries * (dim + 4) * 2}
 
-        # (bf16 products round differently from the fp32 reference: checked on the CPU only)
-        checked = [label for label, _ in CACHES if label != "bf16" or dev == "cpu"]
+        # every kind against the fp32 reference on its own entries (bf16 ones read as fp32)
+        as_read = {**caches, "bf16": {name: c.float() for name, c in caches["bf16"].items()}}
         expected = {label: ref.paged_decode_attention(query.float(), block_tables=tables, context_lens=ctx,
-                                                      scale=scale, **caches[label]) for label in checked}
+                                                      scale=scale, **as_read[label]) for label, _ in CACHES}
+        del as_read
         rows, calls = [], []
         for tile, ways, warps, registers, stages in variants(args):
             for label, dtype, codes in cache_variants(args):
@@ -138,9 +144,8 @@ def main(argv=None) -> dict:
                     launch=launch)
                 row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
                        "warps": warps or launch.warps, "max_registers": registers or launch.max_registers,
-                       "stages": stages, "codes": codes}
-                if label in expected:
-                    row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
+                       "stages": stages or launch.stages, "codes": codes}
+                row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
                 rows.append(row)
                 calls.append(call)
         timings = [[] for _ in calls]

@@ -134,6 +134,22 @@ def test_8bit_decode_split_k(block_size, ways, min_partition, block_n, codes_dty
     close(split, tatt.paged_decode_attention_impl(**args, **cache, num_partitions=1))
 
 
+@by_code
+def test_8bit_decode_bulk_copied_whole_tiles(codes_dtype):
+    """Whole tiles of codes by bulk copy (DecodeLaunch.tma; the interpreter emulates the copies):
+    the same as each thread's loads, with part tiles and split partitions around them."""
+    args, cache, _ = decode_inputs(2, 64, 256, seed=31, codes_dtype=codes_dtype, lens=[256, 300, 255, 3])
+    assert tatt._tma_ok(cache["k_cache"], 64, 64) and tatt._tma_ok(cache["v_cache"], 64, 64)
+    expected = ref.paged_decode_attention(**args, **cache)
+    for ways in (1, 3):
+        launch = tatt.DecodeLaunch(4, tma=True)
+        bulk = tatt.paged_decode_attention_impl(**args, **cache, num_partitions=ways, min_partition=64, launch=launch)
+        close(bulk, expected)
+        loads = tatt.paged_decode_attention_impl(**args, **cache, num_partitions=ways, min_partition=64,
+                                                 launch=tatt.DecodeLaunch(4))
+        close(bulk, loads, rtol=1e-5, atol=1e-6)
+
+
 FP16_ERROR = 2e-3  # relative norm: each side rounds to fp16 in its own places (each ~3e-4 from fp32)
 
 
@@ -191,7 +207,7 @@ def test_8bit_prefill_launch_shapes(tma, heads_fast, block_m, block_n, codes_dty
     args, cache, _ = prefill_inputs(2, 32, 16, seed=block_m + block_n + 2 * tma + heads_fast, codes_dtype=codes_dtype)
     tiles = tatt.PrefillTiles(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=tma,
                               heads_fast=heads_fast)
-    assert not tma or tatt._tma_ok(tiles, cache["k_cache"], 32, 32, 16)  # the bulk-copy path is taken
+    assert not tma or tatt._tma_ok(cache["k_cache"], 32, 32)  # the bulk-copy path is taken
     close(tatt.prefill_attention_impl(**args, **cache, tiles=tiles), ref.prefill_attention(**args, **cache))
 
 

@@ -148,6 +148,27 @@ def test_decode_whole_tiles_match_masked_loop(monkeypatch):
     close(whole, ref.paged_decode_attention(*args))
 
 
+def test_decode_bulk_copied_whole_tiles():
+    """Whole tiles by bulk copy (DecodeLaunch.tma; the interpreter emulates the copies) give what
+    each thread's loads give, beside part tiles, in one partition or several; a cache whose rows
+    cannot be bulk-copied (head size 80, short of its power of two) takes the loads instead."""
+    gen = torch.Generator().manual_seed(12)
+    lens = [256, 300, 255, 64, 3]
+    for head_dim in (64, 80):
+        k_cache, v_cache, tables = paged_cache(lens, 256, KV_HEADS, head_dim, gen)
+        query = torch.randn(len(lens), KV_HEADS * 2, head_dim, generator=gen)
+        args = (query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5)
+        d_pad = tatt.next_pow2(head_dim)
+        assert tatt._tma_ok(k_cache, head_dim, d_pad) == (head_dim == 64)
+        for ways in (1, 3):
+            bulk = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=64,
+                                                    launch=tatt.DecodeLaunch(4, tma=True))
+            loads = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=64,
+                                                     launch=tatt.DecodeLaunch(4))
+            close(bulk, loads, rtol=1e-5, atol=1e-6)
+            close(bulk, ref.paged_decode_attention(*args))
+
+
 def test_decode_partition_heuristic():
     """Few sequences on a long table split (to fill the GPU); a full batch does not; a short
     table never splits below the minimum partition length."""

@@ -186,26 +186,31 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_whole_tile(q, m_i, l_i, acc, k_tile, v_tile, ks_tile, vs_tile, d_ok, scale_log2,
+def _attend_whole_tile(q, m_i, l_i, acc, k_src, v_src, ks_tile, vs_tile, d_ok, scale_log2, row0, col0,
                        FULL_D: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr,
-                       PTX: tl.constexpr = False):
-    """_attend_tile for a tile whose keys are all valid, read through pointers [keys, D] (and [keys]
-    for the scales): no masks but a head width short of its power of two (FULL_D false), and every
-    query row sees a key, so the softmax needs no -inf guard."""
-    if FULL_D:
-        k = tl.load(k_tile)
+                       PTX: tl.constexpr = False, TMA: tl.constexpr = False):
+    """_attend_tile for a tile whose keys are all valid: no masks but a head width short of its power
+    of two (FULL_D false), and every query row sees a key, so the softmax needs no -inf guard. Keys
+    and values come through pointers [keys, D] (and [keys] for the scales), or with TMA by bulk copy
+    from descriptors of the caches' row views at (row0, col0)."""
+    if TMA:
+        k = k_src.load([row0, col0])
+    elif FULL_D:
+        k = tl.load(k_src)
     else:
-        k = tl.load(k_tile, mask=d_ok[None, :], other=0.0)
+        k = tl.load(k_src, mask=d_ok[None, :], other=0.0)
     logit_scale = scale_log2
     if QUANT:
         logit_scale = (tl.load(ks_tile) * scale_log2)[None, :]
         k = codes_as(k, q.dtype, PTX)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
     m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, 1.0)
-    if FULL_D:
-        v = tl.load(v_tile)
+    if TMA:
+        v = v_src.load([row0, col0])
+    elif FULL_D:
+        v = tl.load(v_src)
     else:
-        v = tl.load(v_tile, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_src, mask=d_ok[None, :], other=0.0)
     if QUANT:
         p = weigh_by_value_scales(p, tl.load(vs_tile), F16)
         v = codes_as(v, q.dtype, PTX, True)
@@ -260,7 +265,7 @@ def _partition_len(ctx, num_partitions, min_partition, BLOCK_N: tl.constexpr):
 # whenever one of them turns divisible by 16 or not, pausing every stream mid-serve.
 @triton.jit(do_not_specialize=["table_width", "num_partitions", "min_partition", "s_tb"])
 def _decode_partition_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, lens_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
     scale_log2, table_width, num_partitions, min_partition,
     s_qb, s_qh, s_qd,
@@ -272,7 +277,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    PTX: tl.constexpr = False,
+    PTX: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -319,11 +324,16 @@ def _decode_partition_kernel(
         for t0 in range(start, tail, BLOCK_N):
             blk = tl.load(table_row + (t0 // BLOCK_SIZE) * s_tn).to(tl.int64)
             off0 = tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N)  # tiles start at multiples of BLOCK_N
-            m_i, l_i, acc = _attend_whole_tile(q, m_i, l_i, acc, k_ptr + blk * s_kb + off0 * s_ko + rel_k,
-                                               v_ptr + blk * s_vb + off0 * s_vo + rel_v,
+            if TMA:  # rows of the [blocks * BLOCK_SIZE, kv heads * HEAD_DIM] views
+                k_src, v_src = k_desc, v_desc
+            else:
+                k_src = k_ptr + blk * s_kb + off0 * s_ko + rel_k
+                v_src = v_ptr + blk * s_vb + off0 * s_vo + rel_v
+            m_i, l_i, acc = _attend_whole_tile(q, m_i, l_i, acc, k_src, v_src,
                                                ks_ptr + blk * ss_b + off0 * ss_o + rel_s,
                                                vs_ptr + blk * ss_b + off0 * ss_o + rel_s,
-                                               d_ok, scale_log2, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX)
+                                               d_ok, scale_log2, (blk * BLOCK_SIZE + off0).to(tl.int32),
+                                               kvh * HEAD_DIM, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX, TMA)
     for t0 in range(tail, end, BLOCK_N):
         t = t0 + n
         # Every key of the context precedes the one query, so nothing is causally hidden.
@@ -389,13 +399,16 @@ class DecodeLaunch:
     """How the decode kernel runs over one kind of cache: warps a program, keys a step of its loop,
     a cap on registers a thread (None: the compiler's choice), whether whole tiles take the unmasked
     loop, whether 8-bit codes meet 16-bit queries in fp16 products, and whether those codes convert
-    through PTX, values where they were loaded (codes_as; fp16 products only)."""
+    through PTX, values where they were loaded (codes_as; fp16 products only), whether whole tiles
+    come by bulk copy (TMA, Hopper) instead of each thread's loads, and the copy pipeline's stages."""
     warps: int
     tile: int = DECODE_TILE
     max_registers: int | None = None
     whole_tiles: bool = True
     fp16_products: bool = False
     ptx_codes: bool = False
+    tma: bool = False
+    stages: int = 2
 
     def with_ptx_codes(self) -> "DecodeLaunch":
         """This launch with its codes through PTX (and so fp16 products), as the benchmarks time it."""
@@ -436,7 +449,7 @@ def decode_num_partitions(batch: int, kv_heads: int, table_width: int, block_siz
 def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_lens, scale,
                                 num_partitions: int | None = None, min_partition: int | None = None,
                                 block_n: int | None = None, k_scales=None, v_scales=None,
-                                num_warps: int | None = None, num_stages: int = 2,
+                                num_warps: int | None = None, num_stages: int | None = None,
                                 max_registers: int | None = None, launch: DecodeLaunch | None = None):
     """paged_decode_attention with the split-K knobs open for tests: ways (None: from the shapes),
     shortest partition in tokens (a multiple of the key tile), the key tile, warps, stages, a cap
@@ -451,6 +464,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     launch = launch or decode_launch(k_cache.dtype)
     tile = block_n or launch.tile
     num_warps = num_warps or launch.warps
+    num_stages = num_stages or launch.stages
     max_registers = max_registers or launch.max_registers
     if num_partitions is None:
         num_partitions = decode_num_partitions(batch, kv_heads, table_width, block_size, query.device)
@@ -470,15 +484,22 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
     f16 = quant and launch.fp16_products and query.dtype != torch.float32
     grid = (batch, kv_heads, num_partitions)
     early = early_launch.launch_args(query.device)
+    tma = (launch.tma and launch.whole_tiles and tile <= block_size
+           and _tma_ok(k_cache, head_dim, d_pad) and _tma_ok(v_cache, head_dim, d_pad))
+    if tma:
+        k_desc = _row_view_descriptor(k_cache, tile, head_dim)
+        v_desc = _row_view_descriptor(v_cache, tile, head_dim)
+    else:
+        k_desc, v_desc = k_cache, v_cache  # unused
     _decode_partition_kernel[grid](
-        query, k_cache, v_cache, ks, vs, block_tables, context_lens,
+        query, k_cache, v_cache, k_desc, v_desc, ks, vs, block_tables, context_lens,
         out, m_buf, l_buf, acc_buf,
         float(scale) * LOG2E, table_width, num_partitions, min_partition,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), ss_b, ss_o, ss_h,
         *block_tables.stride(), *out.stride(),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
-        WHOLE_TILES=launch.whole_tiles, F16=f16, PTX=f16 and launch.ptx_codes and query.is_cuda,
+        WHOLE_TILES=launch.whole_tiles, F16=f16, PTX=f16 and launch.ptx_codes and query.is_cuda, TMA=tma,
         num_warps=num_warps, num_stages=num_stages, **early,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
@@ -670,12 +691,12 @@ def prefill_tiles(total: int, head_dim: int, device: torch.device, itemsize: int
                         num_warps=4 if d_pad <= 64 else 8, num_stages=2)
 
 
-def _tma_ok(tiles: PrefillTiles, cache, head_dim: int, d_pad: int, block_size: int) -> bool:
-    """Bulk copies need a tile inside one cache block, a power-of-two head, and a cache whose
-    [blocks, block_size, kv_heads, head_dim] layout is contiguous (a 2-D view with 16-byte rows)."""
+def _tma_ok(cache, head_dim: int, d_pad: int) -> bool:
+    """Bulk copies of key tiles need a power-of-two head and a cache whose [blocks,
+    block_size, kv_heads, head_dim] layout is contiguous (a 2-D view with 16-byte rows); the tile
+    must also lie inside one cache block (the callers' check)."""
     on_device = cache.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter emulates them
-    return (TensorDescriptor is not None and tiles.tma and on_device and d_pad == head_dim
-            and tiles.block_n <= block_size and cache.is_contiguous()
+    return (TensorDescriptor is not None and on_device and d_pad == head_dim and cache.is_contiguous()
             and cache.shape[2] * head_dim * cache.element_size() % 16 == 0)
 
 
@@ -697,7 +718,8 @@ def prefill_attention_impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, 
     tiles = tiles or prefill_tiles(total, head_dim, query.device, k_cache.element_size())
     if block_m or block_n:
         tiles = replace(tiles, block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
-    tma = _tma_ok(tiles, k_cache, head_dim, d_pad, block_size) and _tma_ok(tiles, v_cache, head_dim, d_pad, block_size)
+    tma = (tiles.tma and tiles.block_n <= block_size and _tma_ok(k_cache, head_dim, d_pad)
+           and _tma_ok(v_cache, head_dim, d_pad))
     if tma:
         k_desc = _row_view_descriptor(k_cache, tiles.block_n, head_dim)
         v_desc = _row_view_descriptor(v_cache, tiles.block_n, head_dim)
