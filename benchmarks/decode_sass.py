@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tma", choices=("auto", "on", "off"), default="auto",
                         help="whole tiles come by bulk copy (on; whole tiles for every cache), by each thread's "
                              "loads (off), or as the engine's launch has it (auto)")
+    parser.add_argument("--table-ahead", type=int, default=None,
+                        help="table entries the whole-tile loop holds in registers at a time (0: one loaded a tile; "
+                             "default: the launch's)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sass", default=None, help="write each loop's instructions to this file")
     args = parser.parse_args(argv)
@@ -125,6 +128,8 @@ def main(argv=None) -> dict:
         launch = dataclasses.replace(launch, ptx_codes=False)
     if args.tma != "auto":  # (bulk copies are for whole tiles)
         launch = dataclasses.replace(launch, tma=args.tma == "on", whole_tiles=launch.whole_tiles or args.tma == "on")
+    if args.table_ahead is not None:
+        launch = dataclasses.replace(launch, table_ahead=args.table_ahead)
     warps, tile = args.warps or launch.warps, args.tile or launch.tile
     args.stages = args.stages or launch.stages
     cap = launch.max_registers if args.max_registers is None else (args.max_registers or None)
@@ -133,7 +138,7 @@ def main(argv=None) -> dict:
                       SINGLE=True, PREC="tf32", QUANT=args.cache != "bf16",
                       WHOLE_TILES=launch.whole_tiles and not args.masked, F16=launch.fp16_products, PDL=False,
                       PTX=launch.fp16_products and launch.ptx_codes,
-                      TMA=launch.tma and launch.whole_tiles and not args.masked)
+                      TMA=launch.tma and launch.whole_tiles and not args.masked, TABLE_AHEAD=launch.table_ahead)
     fn = ta._decode_partition_kernel
     sig, consts, attrs = signature(fn, args.cache, constexprs, args.values_keys_first)
     options = dict(num_warps=warps, num_stages=args.stages, **({"maxnreg": cap} if cap else {}))
@@ -155,7 +160,7 @@ def main(argv=None) -> dict:
     result = {"triton": triton.__version__, "cache": args.cache, "warps": warps, "tile": tile,
               "stages": args.stages, "max_registers": cap, "whole_tiles": constexprs["WHOLE_TILES"],
               "fp16_products": launch.fp16_products, "ptx_codes": launch.ptx_codes,
-              "tma": constexprs["TMA"],
+              "tma": constexprs["TMA"], "table_ahead": launch.table_ahead,
               "values_keys_first": args.values_keys_first, **resources, "shared": kernel.metadata.shared,
               "programs_per_sm_by_registers": programs_per_sm, "programs_per_sm_by_shared": by_shared,
               "loops": [{"instructions": len(body), "mix": dict(instruction_mix(body).most_common(14)),

@@ -37,7 +37,8 @@ def variants(args):
             for warps in args.warps.split(","):
                 for registers in args.max_registers.split(","):
                     for stages in (auto(x) for x in args.stages.split(",")):
-                        yield tile, auto(ways), auto(warps), auto(registers), stages
+                        for ahead in (auto(x) for x in args.table_ahead.split(",")):
+                            yield tile, auto(ways), auto(warps), auto(registers), stages, ahead
 
 
 def cache_variants(args):
@@ -81,6 +82,9 @@ def main(argv=None) -> dict:
                              "benchmarks/decode_sass.py shows what a cap spills)")
     parser.add_argument("--stages", default="auto",
                         help="copy pipeline stages of the key loop, comma-separated (auto: the launch's)")
+    parser.add_argument("--table-ahead", default="auto",
+                        help="table entries the whole-tile loop holds in registers at a time, comma-separated "
+                             "(0: one loaded a tile; auto: the launch's)")
     parser.add_argument("--codes", default="engine",
                         help="8-bit caches' launches, comma-separated: engine (the launch's), ptx (fp16 products "
                              "through codes_as's PTX), masked (every tile through the masked loop, which the copy "
@@ -133,10 +137,12 @@ def main(argv=None) -> dict:
                                                       scale=scale, **as_read[label]) for label, _ in CACHES}
         del as_read
         rows, calls = [], []
-        for tile, ways, warps, registers, stages in variants(args):
+        for tile, ways, warps, registers, stages, ahead in variants(args):
             for label, dtype, codes in cache_variants(args):
                 cache = caches[label]
                 launch = code_launch(triton_attention.decode_launch(dtype or model_dtype), codes)
+                if ahead is not None:
+                    launch = dataclasses.replace(launch, table_ahead=ahead)
                 call = functools.partial(
                     triton_attention.paged_decode_attention_impl, query, cache["k_cache"], cache["v_cache"], tables,
                     ctx, scale, num_partitions=ways, block_n=tile, k_scales=cache.get("k_scales"),
@@ -144,7 +150,7 @@ def main(argv=None) -> dict:
                     launch=launch)
                 row = {"cache": label, "batch": batch, "context": context, "tile": tile, "ways": ways or "auto",
                        "warps": warps or launch.warps, "max_registers": registers or launch.max_registers,
-                       "stages": stages or launch.stages, "codes": codes}
+                       "stages": stages or launch.stages, "codes": codes, "table_ahead": launch.table_ahead}
                 row["rel_err"] = float((call().float() - expected[label]).norm() / expected[label].norm())
                 rows.append(row)
                 calls.append(call)

@@ -136,13 +136,14 @@ def test_8bit_decode_split_k(block_size, ways, min_partition, block_n, codes_dty
 
 @by_code
 def test_8bit_decode_bulk_copied_whole_tiles(codes_dtype):
-    """Whole tiles of codes by bulk copy (DecodeLaunch.tma; the interpreter emulates the copies):
-    the same as each thread's loads, with part tiles and split partitions around them."""
+    """Whole tiles of codes by bulk copy (DecodeLaunch.tma; the interpreter emulates the copies),
+    with table entries loaded a tile or held ahead: the same as each thread's loads, with part
+    tiles and split partitions around them."""
     args, cache, _ = decode_inputs(2, 64, 256, seed=31, codes_dtype=codes_dtype, lens=[256, 300, 255, 3])
     assert tatt._tma_ok(cache["k_cache"], 64, 64) and tatt._tma_ok(cache["v_cache"], 64, 64)
     expected = ref.paged_decode_attention(**args, **cache)
-    for ways in (1, 3):
-        launch = tatt.DecodeLaunch(4, tma=True)
+    for ways, ahead in ((1, 0), (3, 0), (3, 2)):
+        launch = tatt.DecodeLaunch(4, tma=True, table_ahead=ahead)
         bulk = tatt.paged_decode_attention_impl(**args, **cache, num_partitions=ways, min_partition=64, launch=launch)
         close(bulk, expected)
         loads = tatt.paged_decode_attention_impl(**args, **cache, num_partitions=ways, min_partition=64,

@@ -169,6 +169,25 @@ def test_decode_bulk_copied_whole_tiles():
             close(bulk, ref.paged_decode_attention(*args))
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_decode_table_entries_read_ahead(tma):
+    """The whole-tile loop holding TABLE_AHEAD table entries in registers at a time (chunks that
+    end mid-partition, partitions that start mid-chunk, shuffled blocks) gives what one entry
+    loaded a tile gives, through each thread's loads and through bulk copies."""
+    gen = torch.Generator().manual_seed(13)
+    lens = [300, 16, 161, 47]
+    k_cache, v_cache, tables = paged_cache(lens, 16, KV_HEADS, 64, gen)
+    query = torch.randn(len(lens), KV_HEADS * 2, 64, generator=gen)
+    args = (query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    for ways in (1, 3):
+        one_a_tile = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=16, block_n=16,
+                                                      launch=tatt.DecodeLaunch(4, tma=tma))
+        ahead = tatt.paged_decode_attention_impl(*args, num_partitions=ways, min_partition=16, block_n=16,
+                                                 launch=tatt.DecodeLaunch(4, tma=tma, table_ahead=4))
+        close(ahead, one_a_tile, rtol=1e-5, atol=1e-6)
+        close(ahead, ref.paged_decode_attention(*args))
+
+
 def test_decode_partition_heuristic():
     """Few sequences on a long table split (to fill the GPU); a full batch does not; a short
     table never splits below the minimum partition length."""

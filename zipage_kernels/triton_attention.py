@@ -186,33 +186,37 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_whole_tile(q, m_i, l_i, acc, k_src, v_src, ks_tile, vs_tile, d_ok, scale_log2, row0, col0,
-                       FULL_D: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr,
-                       PTX: tl.constexpr = False, TMA: tl.constexpr = False):
-    """_attend_tile for a tile whose keys are all valid: no masks but a head width short of its power
-    of two (FULL_D false), and every query row sees a key, so the softmax needs no -inf guard. Keys
-    and values come through pointers [keys, D] (and [keys] for the scales), or with TMA by bulk copy
-    from descriptors of the caches' row views at (row0, col0)."""
+def _attend_whole_tile(q, m_i, l_i, acc, blk, off0, k_ptr, v_ptr, k_desc, v_desc, ks_ptr, vs_ptr,
+                       rel_k, rel_v, rel_s, s_kb, s_ko, s_vb, s_vo, ss_b, ss_o, kvh, d_ok, scale_log2,
+                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_D: tl.constexpr,
+                       PREC: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr,
+                       TMA: tl.constexpr):
+    """_attend_tile for a tile whose keys are all valid, at offset off0 of cache block blk: no masks
+    but a head width short of its power of two (FULL_D false), and every query row sees a key, so
+    the softmax needs no -inf guard. Keys and values come through pointers (each thread's part of
+    the tile: rel_k, rel_v), or with TMA by bulk copy from descriptors of the caches' row views
+    [blocks * BLOCK_SIZE, kv heads * HEAD_DIM]; scales through pointers (rel_s)."""
+    row0 = (blk * BLOCK_SIZE + off0).to(tl.int32)
     if TMA:
-        k = k_src.load([row0, col0])
+        k = k_desc.load([row0, kvh * HEAD_DIM])
     elif FULL_D:
-        k = tl.load(k_src)
+        k = tl.load(k_ptr + blk * s_kb + off0 * s_ko + rel_k)
     else:
-        k = tl.load(k_src, mask=d_ok[None, :], other=0.0)
+        k = tl.load(k_ptr + blk * s_kb + off0 * s_ko + rel_k, mask=d_ok[None, :], other=0.0)
     logit_scale = scale_log2
     if QUANT:
-        logit_scale = (tl.load(ks_tile) * scale_log2)[None, :]
+        logit_scale = (tl.load(ks_ptr + blk * ss_b + off0 * ss_o + rel_s) * scale_log2)[None, :]
         k = codes_as(k, q.dtype, PTX)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * logit_scale
     m_i, l_i, p, alpha = softmax_fold_all_seen(s, m_i, l_i, 1.0)
     if TMA:
-        v = v_src.load([row0, col0])
+        v = v_desc.load([row0, kvh * HEAD_DIM])
     elif FULL_D:
-        v = tl.load(v_src)
+        v = tl.load(v_ptr + blk * s_vb + off0 * s_vo + rel_v)
     else:
-        v = tl.load(v_src, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + blk * s_vb + off0 * s_vo + rel_v, mask=d_ok[None, :], other=0.0)
     if QUANT:
-        p = weigh_by_value_scales(p, tl.load(vs_tile), F16)
+        p = weigh_by_value_scales(p, tl.load(vs_ptr + blk * ss_b + off0 * ss_o + rel_s), F16)
         v = codes_as(v, q.dtype, PTX, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
@@ -277,7 +281,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, WHOLE_TILES: tl.constexpr = True, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    PTX: tl.constexpr = False, TMA: tl.constexpr = False,
+    PTX: tl.constexpr = False, TMA: tl.constexpr = False, TABLE_AHEAD: tl.constexpr = 0,
 ):
     """One (sequence, kv head, partition of the context): all GROUP query heads against every key
     of the partition, online softmax in base 2. SINGLE writes the normalised output directly;
@@ -321,19 +325,26 @@ def _decode_partition_kernel(
         rel_k = n[:, None] * s_ko + kvh * s_kh + d[None, :] * s_kd
         rel_v = n[:, None] * s_vo + kvh * s_vh + d[None, :] * s_vd
         rel_s = n * ss_o + kvh * ss_h
-        for t0 in range(start, tail, BLOCK_N):
-            blk = tl.load(table_row + (t0 // BLOCK_SIZE) * s_tn).to(tl.int64)
-            off0 = tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N)  # tiles start at multiples of BLOCK_N
-            if TMA:  # rows of the [blocks * BLOCK_SIZE, kv heads * HEAD_DIM] views
-                k_src, v_src = k_desc, v_desc
-            else:
-                k_src = k_ptr + blk * s_kb + off0 * s_ko + rel_k
-                v_src = v_ptr + blk * s_vb + off0 * s_vo + rel_v
-            m_i, l_i, acc = _attend_whole_tile(q, m_i, l_i, acc, k_src, v_src,
-                                               ks_ptr + blk * ss_b + off0 * ss_o + rel_s,
-                                               vs_ptr + blk * ss_b + off0 * ss_o + rel_s,
-                                               d_ok, scale_log2, (blk * BLOCK_SIZE + off0).to(tl.int32),
-                                               kvh * HEAD_DIM, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX, TMA)
+        if TABLE_AHEAD > 0:
+            # The table entries of TABLE_AHEAD blocks at a time held in registers: no tile's copy
+            # then waits on a load of its table entry (docs/design-notes.md, "KV in 8 bits").
+            c = tl.arange(0, TABLE_AHEAD)
+            for col0 in range(start // BLOCK_SIZE, (tail + BLOCK_SIZE - 1) // BLOCK_SIZE, TABLE_AHEAD):
+                blks = tl.load(table_row + (col0 + c) * s_tn, mask=col0 + c < table_width, other=0)
+                for t0 in range(tl.maximum(start, col0 * BLOCK_SIZE),
+                                tl.minimum(tail, (col0 + TABLE_AHEAD) * BLOCK_SIZE), BLOCK_N):
+                    blk = tl.sum(tl.where(c == t0 // BLOCK_SIZE - col0, blks, 0), axis=0).to(tl.int64)
+                    m_i, l_i, acc = _attend_whole_tile(
+                        q, m_i, l_i, acc, blk, tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N), k_ptr, v_ptr, k_desc,
+                        v_desc, ks_ptr, vs_ptr, rel_k, rel_v, rel_s, s_kb, s_ko, s_vb, s_vo, ss_b, ss_o, kvh,
+                        d_ok, scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX, TMA)
+        else:
+            for t0 in range(start, tail, BLOCK_N):
+                blk = tl.load(table_row + (t0 // BLOCK_SIZE) * s_tn).to(tl.int64)
+                m_i, l_i, acc = _attend_whole_tile(
+                    q, m_i, l_i, acc, blk, tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N), k_ptr, v_ptr, k_desc,
+                    v_desc, ks_ptr, vs_ptr, rel_k, rel_v, rel_s, s_kb, s_ko, s_vb, s_vo, ss_b, ss_o, kvh,
+                    d_ok, scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM == D_PAD, PREC, QUANT, F16, PTX, TMA)
     for t0 in range(tail, end, BLOCK_N):
         t = t0 + n
         # Every key of the context precedes the one query, so nothing is causally hidden.
@@ -400,7 +411,8 @@ class DecodeLaunch:
     a cap on registers a thread (None: the compiler's choice), whether whole tiles take the unmasked
     loop, whether 8-bit codes meet 16-bit queries in fp16 products, and whether those codes convert
     through PTX, values where they were loaded (codes_as; fp16 products only), whether whole tiles
-    come by bulk copy (TMA, Hopper) instead of each thread's loads, and the copy pipeline's stages."""
+    come by bulk copy (TMA, Hopper) instead of each thread's loads, the copy pipeline's stages, and
+    how many table entries the whole-tile loop reads into registers at a time (0: one a tile)."""
     warps: int
     tile: int = DECODE_TILE
     max_registers: int | None = None
@@ -409,6 +421,7 @@ class DecodeLaunch:
     ptx_codes: bool = False
     tma: bool = False
     stages: int = 2
+    table_ahead: int = 0
 
     def with_ptx_codes(self) -> "DecodeLaunch":
         """This launch with its codes through PTX (and so fp16 products), as the benchmarks time it."""
@@ -500,6 +513,7 @@ def paged_decode_attention_impl(query, k_cache, v_cache, block_tables, context_l
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile, SINGLE=single, PREC=prec, QUANT=quant,
         WHOLE_TILES=launch.whole_tiles, F16=f16, PTX=f16 and launch.ptx_codes and query.is_cuda, TMA=tma,
+        TABLE_AHEAD=launch.table_ahead,
         num_warps=num_warps, num_stages=num_stages, **early,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
