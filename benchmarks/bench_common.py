@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the parser with their common flags (--model, --json, and those
 of the requests they serve: a fixed batch or a seeded random workload), the random workload itself,
 the description of the hardware a result was measured on, writing a result to --json, capturing
-a function's launches in a CUDA graph, and the GPU time a function spends per kernel.
+a function's launches in a CUDA graph, the GPU time a function spends per kernel, and
+--decode-launch, which changes decode attention's launch of a cache kind for one run.
 
 The scripts run as `python benchmarks/NAME.py`, which puts this folder first on sys.path, so they
 import this module by its plain name.
@@ -10,6 +11,7 @@ import this module by its plain name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -28,6 +30,54 @@ def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Add --json, after the script's own flags, and parse argv."""
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
+
+
+DECODE_LAUNCH_CACHES = {"model": "model", "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def add_decode_launch_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-launch", action="append", default=[], metavar="CACHE:FIELD=VALUE,...",
+                   help="change decode attention's launch of one cache kind (model, fp8 or int8) for this run, "
+                        "e.g. fp8:tma=on,table_ahead=16,stages=3 (fields of triton_attention.DecodeLaunch; "
+                        "on/off for switches, none for no register cap); repeatable")
+
+
+def _launch_value(name: str, text: str, current):
+    if isinstance(current, bool):
+        if text not in ("on", "off"):
+            raise ValueError(f"{name} is a switch: on or off, not {text!r}")
+        return text == "on"
+    if name == "max_registers" and text == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} takes a whole number, not {text!r}") from None
+
+
+def set_decode_launches(specs: list[str]) -> dict:
+    """Apply --decode-launch specs to triton_attention.DECODE_LAUNCH for this process; returns every
+    cache kind's launch as it now is, for the run's JSON. A bad spec exits with what was wrong."""
+    from zipage.kernels import triton_attention
+
+    for spec in specs:
+        cache, sep, settings = spec.partition(":")
+        try:
+            if cache not in DECODE_LAUNCH_CACHES or not sep or not settings:
+                raise ValueError(f"expected CACHE:FIELD=VALUE,... with CACHE one of {', '.join(DECODE_LAUNCH_CACHES)}")
+            launch = triton_attention.DECODE_LAUNCH[DECODE_LAUNCH_CACHES[cache]]
+            fields = {f.name for f in dataclasses.fields(launch)}
+            changes = {}
+            for setting in settings.split(","):
+                name, sep, text = setting.partition("=")
+                if name not in fields or not sep:
+                    raise ValueError(f"{setting!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
+                changes[name] = _launch_value(name, text, getattr(launch, name))
+            triton_attention.DECODE_LAUNCH[DECODE_LAUNCH_CACHES[cache]] = dataclasses.replace(launch, **changes)
+        except ValueError as e:
+            raise SystemExit(f"--decode-launch {spec}: {e}") from None
+    return {cache: dataclasses.asdict(triton_attention.decode_launch(key))
+            for cache, key in DECODE_LAUNCH_CACHES.items()}
 
 
 def add_fixed_output_flags(p: argparse.ArgumentParser, *, num_requests: int, output_len: int) -> None:

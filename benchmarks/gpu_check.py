@@ -1477,7 +1477,9 @@ def main(argv=None) -> int:
                         help="start no new section after this many seconds (default 400)")
     parser.add_argument("--skinny-table", default=None, help="skinny_table.json of a gpu_skinny.py run, "
                         "checked in place of the committed table")
+    bench_common.add_decode_launch_flag(parser)
     args = parser.parse_args(argv)
+    launches = bench_common.set_decode_launches(args.decode_launch) if args.decode_launch else None
     if args.skinny_table:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from gpu_skinny import load_table
@@ -1548,8 +1550,8 @@ def main(argv=None) -> int:
         print(f"{'PASS' if c['passed'] else 'FAIL':6s}  {c['name']:44s} {metric:10.3e}  {c['detail'][:120]}")
     total = time.perf_counter() - started
     print(f"\n{len(report.checks) - len(failed)}/{len(report.checks)} checks passed in {total:.0f} s")
-    result = dict(env=info, smoke=args.smoke, seconds=round(total, 1), passed=not failed, checks=report.checks,
-                  timings=report.timings, sections=report.sections)
+    result = dict(env=info, smoke=args.smoke, decode_launches=launches, seconds=round(total, 1), passed=not failed,
+                  checks=report.checks, timings=report.timings, sections=report.sections)
     path = out_dir / "gpu_check.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {path}")

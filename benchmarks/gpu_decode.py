@@ -275,7 +275,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-min-partition", type=int, default=None,
                         help="shortest decode attention partition in tokens, a multiple of the key tile "
                              "(default: the committed DECODE_MIN_PARTITION)")
+    bench_common.add_decode_launch_flag(parser)
     args = bench_common.parse_args(parser, argv)
+    launches = bench_common.set_decode_launches(args.decode_launch) if args.decode_launch else None
     if args.decode_min_partition is not None:
         from zipage.kernels import triton_attention
 
@@ -292,7 +294,7 @@ def main(argv=None) -> dict:
 
     on_gpu = args.device != "cpu"
     results = {"model": args.model, **bench_common.device_description(args.device), "args": vars(args),
-               "variants": {}}
+               "decode_launches": launches, "variants": {}}
     sections = args.sections.split(",")
     if not on_gpu:  # kernel counts and graph replays need CUDA
         sections = [x for x in sections if x != "step"]

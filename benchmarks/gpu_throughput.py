@@ -224,7 +224,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-dir", default=None, help="write a host-side profile of each engine mode here")
     parser.add_argument("--kernel-table-steps", type=int, default=0,
                         help="record GPU time per kernel over this many saturated steps of each engine mode")
+    bench_common.add_decode_launch_flag(parser)
     args = bench_common.parse_args(parser, argv)
+    launches = bench_common.set_decode_launches(args.decode_launch) if args.decode_launch else None
 
     from zipage.cli.bench import kv_footprint
 
@@ -239,7 +241,7 @@ def main(argv=None) -> dict:
     if args.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     results = {"model": args.model, **bench_common.device_description(args.device), "args": vars(args),
-               "total_output_tokens": sum(outputs),
+               "decode_launches": launches, "total_output_tokens": sum(outputs),
                # the concurrency compression can buy when the pool is the limit (see kv_footprint)
                "kv_footprint": kv_footprint([len(p) for p in prompts], outputs, args.block_size, args.budget),
                "modes": {}}

@@ -423,6 +423,17 @@ class DecodeLaunch:
     stages: int = 2
     table_ahead: int = 0
 
+    def __post_init__(self):
+        powers = {"warps": self.warps, "tile": self.tile}
+        if self.table_ahead:  # (a register tensor's length)
+            powers["table_ahead"] = self.table_ahead
+        bad = [f"{name}={value}" for name, value in powers.items() if value < 1 or value & (value - 1)]
+        if self.stages < 1 or self.table_ahead < 0 or (self.max_registers is not None and self.max_registers < 1):
+            bad.append(f"stages={self.stages}, table_ahead={self.table_ahead}, max_registers={self.max_registers}")
+        if bad:
+            raise ValueError(f"decode launch: warps and tile must be powers of two, table_ahead 0 or one, "
+                             f"stages and max_registers positive: {'; '.join(bad)}")
+
     def with_ptx_codes(self) -> "DecodeLaunch":
         """This launch with its codes through PTX (and so fp16 products), as the benchmarks time it."""
         return replace(self, fp16_products=True, ptx_codes=True)
