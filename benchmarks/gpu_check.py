@@ -268,8 +268,17 @@ def check_cache_ops(report: Report, s: Sizes, gen):
     report.check("compact_kv (overlapping)", diff, 0, f"{kv_len} -> {keep} tokens x {s.kv_heads} heads", exact=True)
 
 
+def bulk_copy_launch(cache_dtype):
+    """A cache kind's decode launch with whole tiles by bulk copy and table entries read ahead, at
+    three stages (launch options off in the engine; docs/design-notes.md, "KV in 8 bits")."""
+    from zipage.kernels import triton_attention
+
+    return dataclasses.replace(triton_attention.decode_launch(cache_dtype), whole_tiles=True, tma=True,
+                               table_ahead=16, stages=3)
+
+
 def _decode_case(report, name, s, lens, group, head_dim, dtype, gen, tol, ways=None, min_partition=None,
-                 extra_cols=1):
+                 extra_cols=1, launch=None):
     from zipage.kernels import triton_attention
 
     dev = s.device
@@ -279,7 +288,7 @@ def _decode_case(report, name, s, lens, group, head_dim, dtype, gen, tol, ways=N
     context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     scale = head_dim ** -0.5
     out = triton_attention.paged_decode_attention_impl(query, k_cache, v_cache, tables, context_lens, scale,
-                                                       num_partitions=ways, min_partition=min_partition)
+                                                       num_partitions=ways, min_partition=min_partition, launch=launch)
     expected = ref.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context_lens, scale)
     width = tables.shape[1]
     splits = ways or triton_attention.decode_num_partitions(len(lens), kv_heads, width, s.block_size, query.device)
@@ -300,6 +309,10 @@ def check_decode(report: Report, s: Sizes, gen):
         ("decode forced 6-way split, 64-token partitions", ragged[:4], g, s.head_dim, s.dtype, tol,
          dict(ways=6, min_partition=64)),
         ("decode fp32 (IEEE dot)", ragged, g, s.head_dim, torch.float32, FP32_TOL, {}),
+        (f"decode B{s.decode_batch}, bulk copies", lens.tolist(), g, s.head_dim, s.dtype, tol,
+         dict(launch=bulk_copy_launch(s.dtype))),
+        ("decode ragged (split-K), bulk copies", ragged, g, s.head_dim, s.dtype, tol,
+         dict(extra_cols=3, launch=bulk_copy_launch(s.dtype))),
     ]
     for group, head_dim in s.gqa_sweep:
         sweep = torch.randint(1, s.sweep_ctx + 1, (s.sweep_batch,), generator=gen).tolist()
@@ -676,7 +689,8 @@ def early_launch_off():
 
 
 def check_cuda_graph(report: Report, s: Sizes, gen):
-    """Decode attention captured in a CUDA graph, replayed on new inputs, equals eager."""
+    """Decode attention captured in a CUDA graph, replayed on new inputs, equals eager (the engine's
+    launch, and whole tiles by bulk copy, whose descriptors the graph keeps)."""
     from zipage.kernels import triton_attention
 
     if torch.device(s.device).type != "cuda":
@@ -684,46 +698,48 @@ def check_cuda_graph(report: Report, s: Sizes, gen):
                                   detail="skipped (no CUDA)"))
         return
     wide = s.long_ctx // s.block_size  # tables as wide as the engine's graphs (max_model_len / block)
-    for batch in (4, s.decode_batch):  # split-K path and single-pass path
-        lens = [s.decode_ctx] * batch
-        k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, s.head_dim, s.dtype, s.device, gen,
-                                              extra_cols=max(0, wide - s.decode_ctx // s.block_size))
-        query = torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype)
-        context_lens = torch.tensor(lens, dtype=torch.int32, device=s.device)
-        scale = s.head_dim ** -0.5
+    for launch, label in ((None, ""), (bulk_copy_launch(s.dtype), ", bulk copies")):
+        for batch in (4, s.decode_batch):  # split-K path and single-pass path
+            lens = [s.decode_ctx] * batch
+            k_cache, v_cache, tables = make_paged(lens, s.block_size, s.kv_heads, s.head_dim, s.dtype, s.device, gen,
+                                                  extra_cols=max(0, wide - s.decode_ctx // s.block_size))
+            query = torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype)
+            context_lens = torch.tensor(lens, dtype=torch.int32, device=s.device)
+            scale = s.head_dim ** -0.5
 
-        def call():
-            return triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+            def call():
+                return triton_attention.paged_decode_attention_impl(query, k_cache, v_cache, tables, context_lens,
+                                                                    scale, launch=launch)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = call()
-        # New contents in the same tensors: other lengths, other tables, other queries.
-        new_lens = torch.randint(1, s.decode_ctx + 1, (batch,), generator=gen)
-        context_lens.copy_(new_lens.to(context_lens.device, torch.int32))
-        tables.copy_(tables[torch.randperm(batch, generator=gen).to(tables.device)])
-        query.copy_(torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = call()
-        with early_launch_off():  # the graph's kernels launched early where available
-            plain = call()
-        # The reference reads every table column: only those a context can reach, or B256 x 128
-        # columns would gather over 100 GiB.
-        used = -(-s.decode_ctx // s.block_size)
-        expected = ref.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables[:, :used],
-                                              context_lens, scale)
-        report.check(f"decode in CUDA graph B{batch} (replay == eager)", (static_out.float() - eager.float()).abs().max().item(),
-                     0, exact=True)
-        report.check(f"decode in CUDA graph B{batch} (replay == plain launch)",
-                     (static_out.float() - plain.float()).abs().max().item(), 0, exact=True)
-        report.check(f"decode in CUDA graph B{batch} vs reference", rel_err(static_out, expected), BF16_TOL)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    call()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = call()
+            # New contents in the same tensors: other lengths, other tables, other queries.
+            new_lens = torch.randint(1, s.decode_ctx + 1, (batch,), generator=gen)
+            context_lens.copy_(new_lens.to(context_lens.device, torch.int32))
+            tables.copy_(tables[torch.randperm(batch, generator=gen).to(tables.device)])
+            query.copy_(torch.randn(batch, s.q_heads, s.head_dim, generator=gen).to(s.device, s.dtype))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = call()
+            with early_launch_off():  # the graph's kernels launched early where available
+                plain = call()
+            # The reference reads every table column: only those a context can reach, or B256 x 128
+            # columns would gather over 100 GiB.
+            used = -(-s.decode_ctx // s.block_size)
+            expected = ref.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables[:, :used],
+                                                  context_lens, scale)
+            report.check(f"decode in CUDA graph B{batch}{label} (replay == eager)",
+                         (static_out.float() - eager.float()).abs().max().item(), 0, exact=True)
+            report.check(f"decode in CUDA graph B{batch}{label} (replay == plain launch)",
+                         (static_out.float() - plain.float()).abs().max().item(), 0, exact=True)
+            report.check(f"decode in CUDA graph B{batch}{label} vs reference", rel_err(static_out, expected), BF16_TOL)
     check_store_then_attend(report, s, gen)
 
 
@@ -1341,6 +1357,11 @@ def check_codes(report: Report, s: Sizes, gen, name: str):
                    torch.randint(1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist(), None, ptx)
     report.attempt(f"{name} decode split, PTX codes", decode, f"{name} decode B1 ctx{s.long_ctx} (split-K), PTX codes",
                    [s.long_ctx], None, ptx)
+    bulk = bulk_copy_launch(fp8)
+    report.attempt(f"{name} decode, bulk copies", decode, f"{name} decode B{s.decode_batch}, bulk copies",
+                   torch.randint(1, s.decode_ctx + 1, (s.decode_batch,), generator=gen).tolist(), None, bulk)
+    report.attempt(f"{name} decode split, bulk copies", decode,
+                   f"{name} decode B1 ctx{s.long_ctx} (split-K), bulk copies", [s.long_ctx], None, bulk)
     report.attempt(f"{name} prefill", prefill)
     report.attempt(f"{name} window score", window)
     report.attempt(f"{name} timing", timing)
