@@ -30,11 +30,11 @@ def cli_env() -> dict:
 class Terminal:
     """A child process on a pseudo-terminal that answers cursor-position queries like a terminal."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], **env: str):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
             os.chdir(ROOT)
-            os.execve(argv[0], argv, cli_env())
+            os.execve(argv[0], argv, {**cli_env(), **env})
         self.output = b""
 
     def expect(self, pattern: bytes, timeout: float) -> bool:
@@ -90,6 +90,37 @@ def test_plain_chat_in_a_terminal_answers_on_the_default_model():
         assert term.wait(60) == 0
     finally:
         term.close()
+
+
+def chat_in_a_terminal(line: bytes, *flags: str, **env: str) -> None:
+    """Plain chat on the tiny model in a pseudo-terminal: one line typed and answered, then Ctrl+D."""
+    term = Terminal(CLI + ["chat", "--plain", "--max-tokens", "4", *flags] + TINY, **env)
+    try:
+        assert term.expect(b"you>", 120), term.output[-500:]
+        term.send(line + b"\r")
+        term.output = b""
+        assert term.expect(b"you>", 60), term.output[-500:]  # answered, ready for the next line
+        term.send(b"\x04")
+        assert term.wait(60) == 0
+    finally:
+        term.close()
+
+
+def test_typed_lines_are_kept_with_the_saved_chats_and_nowhere_with_no_save(tmp_path):
+    """What the prompt recalls with the up arrow is kept beside the saved chats, the file of an earlier
+    version (in the model cache folder) moved along with what it held; --no-save writes no file."""
+    cache, data = tmp_path / "cache", tmp_path / "data"
+    cache.mkdir()
+    (cache / "chat_history").write_text("\n# earlier\n+an earlier line\n")
+    chat_in_a_terminal(b"first words", ZIPAGE_CACHE=str(cache), ZIPAGE_DATA=str(data))
+    kept = (data / "chat_history").read_text()
+    assert "+an earlier line" in kept and "+first words" in kept
+    assert not (cache / "chat_history").exists()
+
+    nothing = tmp_path / "nothing"
+    chat_in_a_terminal(b"secret words", "--no-save", ZIPAGE_CACHE=str(cache), ZIPAGE_DATA=str(nothing))
+    assert not nothing.exists() and not (cache / "chat_history").exists()
+    assert "secret" not in (data / "chat_history").read_text()
 
 
 def test_plain_chat_reads_piped_lines():

@@ -251,6 +251,23 @@ def handle_line(engine: FrontDoor, conv: Conversation, line: str, out: TextIO, e
     return True
 
 
+def typed_lines_history(saver: ChatSaver):
+    """What ↑ recalls at the prompt: the lines typed in earlier plain chats, kept beside the saved chats,
+    or only in memory when saving is off (--no-save keeps nothing on disk). A history file in the model
+    cache folder, where it was kept before, moves along on first use."""
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    from zipage.engine.loading.loader import cache_dir
+
+    if not saver.on:
+        return InMemoryHistory()
+    path = saver.store.path.parent / "chat_history"
+    earlier = cache_dir() / "chat_history"
+    if earlier.is_file() and not path.exists():
+        shutil.move(earlier, path)
+    return FileHistory(str(path))
+
+
 def run_plain(engine: FrontDoor, conv: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
               err: TextIO = sys.stderr, saver: ChatSaver | None = None, resumed: SavedSession | None = None) -> None:
     """`saver` keeps the session in the saved chats; `resumed`: a saved session to go on with."""
@@ -267,10 +284,7 @@ def run_plain(engine: FrontDoor, conv: Conversation, stdin: TextIO = sys.stdin, 
                 return
         return
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
-
-    from zipage.engine.loading.loader import cache_dir
 
     keys = KeyBindings()
 
@@ -282,8 +296,7 @@ def run_plain(engine: FrontDoor, conv: Conversation, stdin: TextIO = sys.stdin, 
     def _newline(event):
         event.current_buffer.insert_text("\n")
 
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    session = PromptSession(history=FileHistory(str(cache_dir() / "chat_history")), multiline=True,
+    session = PromptSession(history=typed_lines_history(saver), multiline=True,
                             key_bindings=keys,
                             prompt_continuation=lambda width, *_: "." * (width - 1) + " ")
     err.write(f"Chatting with {engine.config.model}. {conv.settings_line()}\n/help for commands, Ctrl+D to leave.\n")
