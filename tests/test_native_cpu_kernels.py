@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType, quants
 from zipage.engine.execution.models.quantized import Kernels, WeightReport
 from zipage.engine.loading.gguf_tensors import NATIVE_BITS, QuantizedTensor
 from zipage.kernels.cpu.native import GroupedWeight, NativeLibrary, NativeUnavailable, build, disagreement, pack_weight
-from zipage.kernels.reference import (add_rms_norm, paged_decode_attention,
-                                     qk_norm_rope_store, quantize_groups_int16, rms_norm, silu_and_mul)
+from zipage.kernels.reference import (add_rms_norm, paged_decode_attention, qk_norm_rope_store,
+                                     quantize_groups_int16, quantize_rows, rms_norm, silu_and_mul)
 
 
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
@@ -333,3 +333,135 @@ def test_which_kernel_runs_which_weight_and_why_not():
                                                            "scale per row, Q5_0+Q8_0 has one per 32 values")
     assert bare.short_form({"Q4_0"}, 64) == (None, "no integer dots here; this torch has no working int4 CPU kernel")
     assert Kernels(native=None, int4=True).short_form({"Q4_0", "Q4_K"}, 64) == ("int4", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit caches: codes and scales written by RoPE-and-store, read by decode attention
+
+
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+CODE_TOP = {FP8: 448.0, INT8: 127.0}
+
+
+def coded_caches(blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """Empty K/V codes and their scales [blocks, block_size, kv_heads], laid out as the engine lays
+    them out ([blocks, kv_heads, block_size] in memory)."""
+    codes = [torch.zeros(blocks, block_size, kv_heads, head_dim).to(dtype) for _ in range(2)]
+    scales = [torch.ones(blocks, kv_heads, block_size).transpose(1, 2) for _ in range(2)]
+    return codes, scales
+
+
+def rounding_cases(dtype: torch.dtype, gen: torch.Generator, count: int) -> torch.Tensor:
+    """Values |x| <= top that test a rounding: every code's value and every midpoint between two codes
+    (ties), subnormals and random values at every scale."""
+    if dtype == FP8:
+        values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+        values = values[values.isfinite() & (values >= 0)].unique()
+    else:
+        values = torch.arange(0, 128).float()
+    midpoints = (values[1:] + values[:-1]) / 2
+    random = torch.rand(count, generator=gen) * CODE_TOP[dtype] * torch.rand(count, generator=gen) ** 6
+    pool = torch.cat([values, midpoints, random])
+    signs = torch.where(torch.rand(pool.shape, generator=gen) < 0.5, -1.0, 1.0)
+    return (pool * signs)[torch.randperm(pool.numel(), generator=gen)]
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8], ids=["fp8", "int8"])
+def test_8bit_stores_round_exactly_as_torch(products, dtype):
+    """With RoPE the identity (cos 1, sin 0) and each entry's largest value at the code's top (scale
+    1), the stored codes are torch's casts of the values themselves: every code, every tie between two
+    (to even), subnormals, signs."""
+    gen = torch.Generator().manual_seed(21)
+    kv_heads, head_dim, block_size = 2, 64, 16
+    cases = rounding_cases(dtype, gen, 2000)
+    per_entry = head_dim - 1
+    entries = -(-cases.numel() // (2 * kv_heads * per_entry))  # tokens, each of K and V for every head
+    cases = torch.cat([cases, torch.zeros(entries * 2 * kv_heads * per_entry - cases.numel())])
+    kv = torch.cat([torch.full((entries, 2 * kv_heads, 1), CODE_TOP[dtype]), cases.view(entries, 2 * kv_heads, per_entry)],
+                   dim=-1)
+    q_heads = 2
+    qkv = torch.cat([torch.randn(entries, q_heads * head_dim, generator=gen), kv.reshape(entries, -1)], dim=1)
+    cos, sin = torch.ones(entries, head_dim), torch.zeros(entries, head_dim)
+    (k_codes, v_codes), (k_scales, v_scales) = coded_caches(-(-entries // block_size), block_size, kv_heads,
+                                                            head_dim, dtype)
+    slots = torch.arange(entries)
+    products.rope_store(qkv, cos, sin, k_codes, v_codes, slots, None, None, k_scales=k_scales, v_scales=v_scales)
+    stored = torch.cat([k_codes.view(-1, kv_heads, head_dim)[:entries], v_codes.view(-1, kv_heads, head_dim)[:entries]],
+                       dim=1)
+    expected = kv.clamp(-CODE_TOP[dtype], CODE_TOP[dtype])
+    expected = (expected if dtype == FP8 else expected.round()).to(dtype)
+    assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+    assert bool((k_scales.reshape(-1, kv_heads)[:entries] == 1.0).all())  # each entry's largest on the top
+
+
+@pytest.mark.parametrize("dtype,rotate", [(FP8, False), (INT8, True), (INT8, False)], ids=["fp8", "int8-rotated", "int8"])
+def test_8bit_rope_and_store_write_the_references_codes(products, dtype, rotate):
+    """Real-valued rows: q as the reference gives it (rotated by the Hadamard matrix for the int8
+    cache, as the engine runs it), and the codes and scales of K and V the reference writes, but for
+    values that the two round on either side of a code's midpoint (at most one code apart)."""
+    gen = torch.Generator().manual_seed(22 + rotate)
+    tokens, q_heads, kv_heads, head_dim, block_size = 40, 6, 2, 64, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6
+    table = torch.stack((torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)), dim=1)
+    slots = torch.randperm(4 * block_size, generator=gen)[:tokens]
+    slots[3] = -1  # skipped
+    codes, scales = [], []
+    for _ in range(2):
+        c, s = coded_caches(4, block_size, kv_heads, head_dim, dtype)
+        codes.append(c)
+        scales.append(s)
+    want = qk_norm_rope_store(qkv, table[:, 0], table[:, 1], None, None, 0.0, *codes[0], slots, None, None,
+                              k_scales=scales[0][0], v_scales=scales[0][1], hadamard_qk=rotate)
+    got = products.rope_store(qkv, table[:, 0], table[:, 1], *codes[1], slots, None, None,
+                              k_scales=scales[1][0], v_scales=scales[1][1], hadamard_qk=rotate)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    for side in (0, 1):
+        assert torch.allclose(scales[1][side], scales[0][side], rtol=1e-5, atol=0)
+        mine, theirs = codes[1][side].float(), codes[0][side].float()
+        differ = mine != theirs
+        assert float(differ.float().mean()) < 0.01
+        if dtype == INT8:
+            assert float((mine - theirs).abs().max()) <= 1
+        else:  # neighbouring e4m3 codes: their bytes, as integers, one apart
+            assert int((codes[1][side].view(torch.uint8).int() - codes[0][side].view(torch.uint8).int()).abs().max()) <= 1
+    written = codes[1][0].view(torch.uint8).view(-1, kv_heads * head_dim).any(dim=1).nonzero().flatten()
+    assert written.tolist() == sorted(slots[slots >= 0].tolist())  # every slot but the skipped one's
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("head_dim,lengths", [(64, [1, 200, 37, 16]), (128, [37, 100]), (80, [50, 3])])
+def test_decode_attention_over_codes_matches_the_reference(products, dtype, head_dim, lengths):
+    gen = torch.Generator().manual_seed(head_dim + len(lengths))
+    k_values, v_values, tables, context = paged_context(lengths, gen, kv_heads=2, head_dim=head_dim)
+    if len(lengths) == 4:
+        tables[2, 1] = -1  # a hole: skipped
+    caches = {}
+    for name, values in (("k", k_values), ("v", v_values)):
+        codes, scales = quantize_rows(values, dtype)
+        caches[f"{name}_cache"] = codes
+        caches[f"{name}_scales"] = scales.transpose(1, 2).contiguous().transpose(1, 2)  # the engine's layout
+    query = torch.randn(len(lengths), 6, head_dim, generator=gen)
+    want = paged_decode_attention(query, block_tables=tables, context_lens=context, scale=head_dim ** -0.5, **caches)
+    got = products.decode_attention(query, block_tables=tables, context_lens=context, scale=head_dim ** -0.5,
+                                    threads=2, **caches)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    alone = products.decode_attention(query[-1:], block_tables=tables[-1:], context_lens=context[-1:],
+                                      scale=head_dim ** -0.5, threads=1, **caches)
+    assert torch.equal(alone, got[-1:])  # a sequence's answer is the same bits alone as in its batch
+
+
+def test_8bit_caches_are_refused_without_their_scales_or_in_another_layout(products):
+    gen = torch.Generator().manual_seed(23)
+    k_values, v_values, tables, context = paged_context([20], gen, kv_heads=2)
+    (k_codes, k_scales), (v_codes, v_scales) = quantize_rows(k_values, FP8), quantize_rows(v_values, FP8)
+    query = torch.randn(1, 4, 64, generator=gen)
+    args = dict(query=query, block_tables=tables, context_lens=context, scale=0.125, threads=1)
+    with pytest.raises(ValueError, match="needs scales exactly when it holds 8-bit codes"):
+        products.decode_attention(k_cache=k_codes, v_cache=v_codes, **args)
+    with pytest.raises(ValueError, match=r"laid out \[blocks, kv_heads, block_size\]"):
+        products.decode_attention(k_cache=k_codes, v_cache=v_codes, k_scales=k_scales, v_scales=v_scales, **args)
+    with pytest.raises(ValueError, match="float32 or 8-bit codes"):
+        products.decode_attention(k_cache=k_values.bfloat16(), v_cache=v_values.bfloat16(), **args)
+    with pytest.raises(ValueError, match="needs scales exactly"):
+        products.decode_attention(k_cache=k_values, v_cache=v_values, k_scales=k_scales, v_scales=v_scales, **args)

@@ -108,9 +108,9 @@ def without_native(monkeypatch) -> None:
     monkeypatch.setattr(quantized_module, "native_kernel", lambda: (None, "no C compiler: 'cc' is not on PATH"))
 
 
-def engine(source: ModelSource, weight_dtype: str) -> EngineCore:
+def engine(source: ModelSource, weight_dtype: str, **knobs) -> EngineCore:
     return EngineCore(EngineConfig(model=source.path, device="cpu", compression=False, block_size=16,
-                                   num_kv_blocks=64, weight_dtype=weight_dtype), source)
+                                   num_kv_blocks=64, weight_dtype=weight_dtype, **knobs), source)
 
 
 def finished(core: EngineCore, prompt: list[int], params: SamplingParams):
@@ -292,8 +292,9 @@ def test_a_type_no_kernel_runs_on_its_float16_copy_and_said_so(capsys):
     assert [a.logprob for a in mine] == pytest.approx([b.logprob for b in ref], abs=HALF_LOGPROB_TOLERANCE)
 
 
-@pytest.mark.parametrize("family,qtype", [("llama-tiny", "Q4_1"), ("qwen2-tiny", "Q8_0")])
-def test_a_decode_layer_in_one_native_call_gives_the_operator_paths_bits(family, qtype, monkeypatch):
+@pytest.mark.parametrize("family,qtype,kv_cache_dtype", [("llama-tiny", "Q4_1", "auto"), ("qwen2-tiny", "Q8_0", "auto"),
+                                                          ("llama-tiny", "Q4_1", "fp8"), ("llama-tiny", "Q4_1", "int8")])
+def test_a_decode_layer_in_one_native_call_gives_the_operator_paths_bits(family, qtype, kv_cache_dtype, monkeypatch):
     from zipage.engine.execution.models.native_layer import NativeDecodeLayer
 
     calls = []
@@ -301,7 +302,7 @@ def test_a_decode_layer_in_one_native_call_gives_the_operator_paths_bits(family,
                         lambda self, *a, f=NativeDecodeLayer.__call__: calls.append(a[0].shape[0]) or f(self, *a))
     config = RANDOM_PRESETS[family].make_config()  # qwen2: q/k/v biases, added in the native layer too
     source = gguf_source(config, write_gguf(config, qtype, seed=17))
-    whole, by_operator = engine(source, "auto"), engine(source, "auto")
+    whole, by_operator = (engine(source, "auto", kv_cache_dtype=kv_cache_dtype) for _ in range(2))
     layers = whole.runner.model.model.layers
     assert all(layer.native is not None for layer in layers)
     for layer in by_operator.runner.model.model.layers:
@@ -323,6 +324,33 @@ def test_a_decode_layer_in_one_native_call_gives_the_operator_paths_bits(family,
         assert [p.logprob for p in mine.logprobs] == [p.logprob for p in theirs.logprobs]  # the same bits
     # three streams decode together (and alone once the others finish): every layer ran as one call
     assert calls and max(calls) == 3 and len(calls) % len(layers) == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_an_8bit_cache_runs_natively_as_the_reference_path_runs_it(kv_cache_dtype, monkeypatch):
+    """A quantized model's steps over an 8-bit cache take the native kernels (the codes written and read
+    there, every decode layer one call), and follow what the PyTorch path gives on the same weights:
+    each greedy token's log-probability within 0.01 nats (the two round a few values on either side of
+    a code's midpoint), over a prompt longer than a block and twelve decode steps."""
+    from zipage.engine.execution.models.native_layer import NativeDecodeLayer
+
+    calls = []
+    monkeypatch.setattr(NativeDecodeLayer, "__call__",
+                        lambda self, *a, f=NativeDecodeLayer.__call__: calls.append(a[0].shape[0]) or f(self, *a))
+    config = RANDOM_PRESETS["llama-tiny"].make_config()
+    source = gguf_source(config, write_gguf(config, "Q8_0", seed=19))
+    native = engine(source, "auto", kv_cache_dtype=kv_cache_dtype)
+    assert native.runner.kv_cache.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache_dtype]
+    prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(20)).tolist()
+    tokens, logprobs = greedy_run(native, prompt)
+    assert calls and len(calls) % len(native.runner.model.model.layers) == 0
+    layer = native.runner.model.model.layers[0].self_attn
+    assert layer.runs_natively(torch.zeros(1)) and layer.cache_scales
+    without_native(monkeypatch)
+    plain = engine(source, "auto", kv_cache_dtype=kv_cache_dtype)
+    assert plain.runner.model.model.layers[0].self_attn.native is None
+    judged = prompt_logprobs(plain, prompt + tokens)[-len(tokens):]
+    assert logprobs == pytest.approx([r.logprob for r in judged], abs=0.01)
 
 
 def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:

@@ -480,6 +480,90 @@ void zq_rms_norm(const float *x, const float *residual, const float *weight, flo
     }
 }
 
+/* 8-bit caches (docs/design-notes.md, "KV in 8 bits"): codes, e4m3 (fp8) or int8, one byte per value,
+ * with a float32 scale per entry and KV head (value = code * scale), the scales laid out [blocks,
+ * kv_heads, block_size]. The same rounding as the PyTorch reference's quantize_rows: scale = amax / top
+ * (1 for an all-zero row), value / scale clamped to +-top and rounded to nearest, ties to even. */
+enum { ZQ_FLOAT = 0, ZQ_E4M3 = 1, ZQ_INT8 = 2 }; /* a cache's kind */
+
+static float e4m3_values[256];
+
+__attribute__((constructor)) static void fill_e4m3_values(void) {
+    for (int c = 0; c < 256; c++) {
+        const int e = (c >> 3) & 15, m = c & 7;
+        float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+        if (e == 15 && m == 7) v = NAN; /* e4m3fn has no infinities: this is its NaN */
+        e4m3_values[c] = c & 128 ? -v : v;
+    }
+}
+
+/* The e4m3 code nearest x (|x| <= 448), ties to even, as torch casts to float8_e4m3fn. */
+static inline uint8_t e4m3_code(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 128);
+    bits &= 0x7fffffffu;
+    float magnitude;
+    memcpy(&magnitude, &bits, sizeof magnitude);
+    if (magnitude < 0.015625f) /* under the smallest normal, 2^-6: steps of 2^-9 (code 8 is 2^-6 itself) */
+        return sign | (uint8_t)nearbyintf(magnitude * 512.0f);
+    bits += 0x7ffffu + ((bits >> 20) & 1); /* the mantissa's 23 bits rounded to 3, ties to even */
+    return sign | (uint8_t)((((int)(bits >> 23) - 120) << 3) | ((bits >> 20) & 7));
+}
+
+static inline float code_value(uint8_t code, int kind) {
+    return kind == ZQ_E4M3 ? e4m3_values[code] : (float)(int8_t)code;
+}
+
+/* One entry's d values x as codes of `kind`, and their scale. */
+static void quantize_entry(const float *x, int64_t d, int kind, uint8_t *codes, float *scale) {
+    const float top = kind == ZQ_E4M3 ? 448.0f : 127.0f;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < d; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float s = amax > 0.0f ? amax / top : 1.0f;
+    for (int64_t j = 0; j < d; j++) {
+        float v = x[j] / s;
+        v = v > top ? top : (v < -top ? -top : v);
+        codes[j] = kind == ZQ_E4M3 ? e4m3_code(v) : (uint8_t)(int8_t)nearbyintf(v);
+    }
+    *scale = s;
+}
+
+/* x [d] (a power of 2) times the orthonormal Sylvester-Hadamard matrix, in place: the int8 cache's
+ * rotation of q and k heads (butterflies, then 1 / sqrt(d)). */
+static void hadamard_rotate(float *x, int64_t d) {
+    for (int64_t h = 1; h < d; h *= 2)
+        for (int64_t i = 0; i < d; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)d);
+    for (int64_t j = 0; j < d; j++) x[j] *= norm;
+}
+
+/* One KV head's entries of a sequence in an 8-bit cache as float32 values (code * scale, exactly the
+ * reference's dequantized values): `codes` and `scales` at the head's first code and scale, entries
+ * `entry` codes apart and blocks `scale_block` scales apart; block i of `table` (-1: a hole) lands at
+ * rows [i * block_size, d] and row_table[i] = i (or -1), so attend_head reads them as a float32 cache. */
+static void dequantize_sequence(const uint8_t *codes, const float *scales, int kind, const int32_t *table,
+                                int64_t length, int64_t block_size, int64_t entry, int64_t scale_block, int64_t d,
+                                float *rows, int32_t *row_table) {
+    for (int64_t i = 0, t = 0; t < length; i++) {
+        const int64_t count = length - t < block_size ? length - t : block_size;
+        row_table[i] = table[i] < 0 ? -1 : (int32_t)i;
+        if (table[i] >= 0) {
+            const uint8_t *c = codes + table[i] * block_size * entry;
+            const float *s = scales + table[i] * scale_block;
+            float *r = rows + i * block_size * d;
+            for (int64_t e = 0; e < count; e++)
+                for (int64_t j = 0; j < d; j++) r[e * d + j] = code_value(c[e * entry + j], kind) * s[e];
+        }
+        t += count;
+    }
+}
+
 #ifdef ZQ_AVX2
 /* q . k for eight keys `entry` floats apart (d a multiple of 8) as one vector of the eight sums: eight
  * accumulators, then added across in three steps instead of eight horizontal sums. */
@@ -561,16 +645,17 @@ static void attend_head(const float *qh, const float *k_base, const float *v_bas
 }
 
 
-/* Decode attention of float32 queries [batch, q_heads, d] against a float32 paged cache [blocks,
- * block_size, kv_heads, d]: each sequence's entries 0 .. context_len - 1 through its row of
- * block_tables [batch, width] (a block of -1 is a hole, skipped), softmax(q . k * scale) . v per query
+/* Decode attention of float32 queries [batch, q_heads, d] against a paged cache [blocks, block_size,
+ * kv_heads, d] of `kind`: float32 values, or 8-bit codes with their scales k_scales, v_scales [blocks,
+ * kv_heads, block_size] (NULL for float32). Each sequence's entries 0 .. context_len - 1 through its row
+ * of block_tables [batch, width] (a block of -1 is a hole, skipped), softmax(q . k * scale) . v per query
  * head, the query heads of a KV head sharing its entries. One sequence and KV head per loop turn, so
  * a sequence's output never depends on what it is batched with. Returns 0, -1 without memory, -2 (having
  * read nothing) when a context is longer than its table or names a block past the cache's `blocks`. */
-int zq_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t blocks,
-                        const int32_t *block_tables, int64_t width, const int32_t *context_lens, int64_t batch,
-                        int64_t q_heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, float *out,
-                        int threads) {
+int zq_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scales,
+                        const float *v_scales, int64_t blocks, const int32_t *block_tables, int64_t width,
+                        const int32_t *context_lens, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t d,
+                        int64_t block_size, float scale, float *out, int threads) {
     const int64_t group = q_heads / kv_heads;
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) {
@@ -579,10 +664,14 @@ int zq_decode_attention(const float *q, const float *k_cache, const float *v_cac
             if (block_tables[b * width + i] >= blocks) return -2;
         longest = context_lens[b] > longest ? context_lens[b] : longest;
     }
+    /* scores, then (8-bit codes) the sequence's keys and values as float32 rows and their blocks' table */
+    const int64_t span = (longest + block_size - 1) / block_size; /* blocks of the longest context */
+    const size_t scratch_floats = (size_t)(longest > 0 ? longest : 1) + (kind ? (size_t)(2 * span * block_size * d + span) : 0);
+    const size_t value_size = kind ? 1 : sizeof(float); /* bytes of one cache value */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(longest > 0 ? longest : 1));
+        float *scores = malloc(sizeof(float) * scratch_floats);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -592,8 +681,22 @@ int zq_decode_attention(const float *q, const float *k_cache, const float *v_cac
             if (!scores) continue;
             const int64_t b = item / kv_heads, h = item % kv_heads, length = context_lens[b];
             const int32_t *table = block_tables + b * width;
-            const int64_t entry = kv_heads * d; /* floats from one cache entry to the next */
-            const float *k_base = k_cache + h * d, *v_base = v_cache + h * d;
+            int64_t entry = kv_heads * d; /* values from one cache entry to the next */
+            const float *k_base = (const float *)k_cache + h * d, *v_base = (const float *)v_cache + h * d;
+            if (kind) { /* the codes read once for the group's query heads, then attended as values */
+                float *k_rows = scores + (longest > 0 ? longest : 1), *v_rows = k_rows + span * block_size * d;
+                int32_t *rows_table = (int32_t *)(v_rows + span * block_size * d);
+                const uint8_t *k_codes = (const uint8_t *)k_cache + h * d * value_size;
+                const uint8_t *v_codes = (const uint8_t *)v_cache + h * d * value_size;
+                dequantize_sequence(k_codes, k_scales + h * block_size, kind, table, length, block_size, entry,
+                                    kv_heads * block_size, d, k_rows, rows_table);
+                dequantize_sequence(v_codes, v_scales + h * block_size, kind, table, length, block_size, entry,
+                                    kv_heads * block_size, d, v_rows, rows_table);
+                k_base = k_rows;
+                v_base = v_rows;
+                entry = d;
+                table = rows_table;
+            }
             for (int64_t g = 0; g < group; g++) {
                 const float *qh = q + (b * q_heads + h * group + g) * d;
                 float *o = out + (b * q_heads + h * group + g) * d;
@@ -615,33 +718,49 @@ void zq_silu_and_mul(const float *x, int64_t m, int64_t n, float *out) {
 }
 
 /* One layer's step from its QKV rows [tokens, (q_heads + 2 * kv_heads) * d] to attention: q and k heads
- * rotated (rotate-half RoPE with each token's cos, sin rows [tokens, d], `table_stride` floats apart);
- * q written to q_out [tokens,
- * q_heads, d] and, where query_slots is given and not -1, to that row of query_cache [query_rows,
- * q_heads, d]; rotated k and v written to their slot of the caches [cache_rows, kv_heads, d] (-1 skips).
- * Returns -1, writing nothing, when a slot or query row is out of range; else 0. */
+ * rotated (rotate-half RoPE with each token's cos, sin rows [tokens, d], `table_stride` floats apart;
+ * then, with `hadamard`, times the Hadamard matrix: the int8 cache's rotation); q written to q_out
+ * [tokens, q_heads, d] and, where query_slots is given and not -1, to that row of query_cache
+ * [query_rows, q_heads, d]; k and v written to their slot of the caches [cache_rows, kv_heads, d] (-1
+ * skips) as float32 values, or for an 8-bit `kind` as codes with their scales [blocks, kv_heads,
+ * block_size]. Returns -1, writing nothing, when a slot or query row is out of range or d is over
+ * ZQ_MAX_HEAD; else 0. */
+#define ZQ_MAX_HEAD 512
 int zq_rope_store(const float *qkv, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
-                  const float *cos, const float *sin, int64_t table_stride, float *k_cache, float *v_cache,
-                  const int64_t *slots,
+                  const float *cos, const float *sin, int64_t table_stride, void *k_cache, void *v_cache, int kind,
+                  float *k_scales, float *v_scales, int64_t block_size, int hadamard, const int64_t *slots,
                   int64_t cache_rows, float *query_cache, const int64_t *query_slots, int64_t query_rows,
                   float *q_out) {
     const int64_t width = (q_heads + 2 * kv_heads) * d, half = d / 2;
+    if (d > ZQ_MAX_HEAD) return -1;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < -1 || slots[t] >= cache_rows || (query_slots && (query_slots[t] < -1 || query_slots[t] >= query_rows)))
             return -1;
+    float key[ZQ_MAX_HEAD];
     for (int64_t t = 0; t < tokens; t++) {
         const float *row = qkv + t * width, *c = cos + t * table_stride, *s = sin + t * table_stride;
-        const int64_t slot = slots[t];
+        const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
         for (int64_t h = 0; h < q_heads + kv_heads; h++) {
             const float *x = row + h * d;
-            float *o = h < q_heads ? q_out + (t * q_heads + h) * d
-                                   : (slot >= 0 ? k_cache + (slot * kv_heads + h - q_heads) * d : NULL);
+            float *o = h < q_heads ? q_out + (t * q_heads + h) * d : (slot < 0 ? NULL : kind ? key
+                                     : (float *)k_cache + (slot * kv_heads + h - q_heads) * d);
             if (!o) continue;
             for (int64_t j = 0; j < half; j++) o[j] = x[j] * c[j] - x[j + half] * s[j];
             for (int64_t j = half; j < d; j++) o[j] = x[j] * c[j] + x[j - half] * s[j];
+            if (hadamard) hadamard_rotate(o, d);
+            if (h >= q_heads && kind) {
+                const int64_t kv = h - q_heads;
+                quantize_entry(key, d, kind, (uint8_t *)k_cache + (slot * kv_heads + kv) * d,
+                               k_scales + (block * kv_heads + kv) * block_size + offset);
+            }
         }
-        if (slot >= 0)
-            memcpy(v_cache + slot * kv_heads * d, row + (q_heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
+        if (slot >= 0 && kind)
+            for (int64_t kv = 0; kv < kv_heads; kv++)
+                quantize_entry(row + (q_heads + kv_heads + kv) * d, d, kind, (uint8_t *)v_cache + (slot * kv_heads + kv) * d,
+                               v_scales + (block * kv_heads + kv) * block_size + offset);
+        else if (slot >= 0)
+            memcpy((float *)v_cache + slot * kv_heads * d, row + (q_heads + kv_heads) * d,
+                   sizeof(float) * (size_t)(kv_heads * d));
         if (query_slots && query_slots[t] >= 0)
             memcpy(query_cache + query_slots[t] * q_heads * d, q_out + t * q_heads * d, sizeof(float) * (size_t)(q_heads * d));
     }
@@ -664,7 +783,9 @@ typedef struct {
     int64_t rows;
     const float *cos, *sin;
     int64_t table_stride;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
+    int kind, hadamard; /* the caches' (ZQ_FLOAT, ZQ_E4M3, ZQ_INT8); whether q and k heads are rotated */
+    float *k_scales, *v_scales; /* 8-bit caches' [blocks, kv_heads, block_size], else NULL */
     int64_t cache_blocks, block_size;
     const int64_t *slots;
     float *query_cache;
@@ -701,14 +822,14 @@ int zq_decode_layer(const zq_layer *L, const float *hidden, const float *residua
     }
     if ((status = projection(L, 0, qkv_width, H, normed, qkv))) goto done;
     if (zq_rope_store(qkv, m, L->q_heads, L->kv_heads, L->head_dim, L->cos, L->sin, L->table_stride, L->k_cache,
-                      L->v_cache, L->slots, L->cache_blocks * L->block_size, L->query_cache, L->query_slots,
-                      L->query_rows, q)) {
+                      L->v_cache, L->kind, L->k_scales, L->v_scales, L->block_size, L->hadamard, L->slots,
+                      L->cache_blocks * L->block_size, L->query_cache, L->query_slots, L->query_rows, q)) {
         status = -3;
         goto done;
     }
-    if ((status = zq_decode_attention(q, L->k_cache, L->v_cache, L->cache_blocks, L->block_tables, L->table_width,
-                                      L->context_lens, m, L->q_heads, L->kv_heads, L->head_dim, L->block_size,
-                                      L->scale, attended, L->threads)))
+    if ((status = zq_decode_attention(q, L->k_cache, L->v_cache, L->kind, L->k_scales, L->v_scales, L->cache_blocks,
+                                      L->block_tables, L->table_width, L->context_lens, m, L->q_heads, L->kv_heads,
+                                      L->head_dim, L->block_size, L->scale, attended, L->threads)))
         goto done;
     /* the attention output's projection lands in `out`, free until the MLP writes it */
     if ((status = projection(L, 1, H, q_width, attended, out))) goto done;

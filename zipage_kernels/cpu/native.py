@@ -105,7 +105,8 @@ class LayerArgs(ctypes.Structure):
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("weights", ctypes.c_void_p * 4), ("bits", ctypes.c_int * 4), ("biases", ctypes.c_void_p * 4),
         ("rows", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("cache_blocks", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kind", ctypes.c_int), ("hadamard", ctypes.c_int),
+        ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("cache_blocks", ctypes.c_int64),
         ("block_size", ctypes.c_int64), ("slots", ctypes.c_void_p), ("query_cache", ctypes.c_void_p),
         ("query_slots", ctypes.c_void_p), ("query_rows", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
         ("table_width", ctypes.c_int64), ("context_lens", ctypes.c_void_p), ("threads", ctypes.c_int),
@@ -127,12 +128,13 @@ class NativeLibrary:
         lib.zq_threaded.restype = ctypes.c_int
         lib.zq_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
         lib.zq_rms_norm.restype = None
-        lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                            ctypes.c_float, ptr, ctypes.c_int]
+        lib.zq_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
+                                            i64, i64, ctypes.c_float, ptr, ctypes.c_int]
         lib.zq_decode_attention.restype = ctypes.c_int
         lib.zq_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
         lib.zq_silu_and_mul.restype = None
-        lib.zq_rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr]
+        lib.zq_rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64,
+                                      ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr]
         lib.zq_rope_store.restype = ctypes.c_int
         lib.zq_decode_layer.argtypes = [ctypes.POINTER(LayerArgs), ptr, ptr, ptr, ptr]
         lib.zq_decode_layer.restype = ctypes.c_int
@@ -208,18 +210,21 @@ class NativeLibrary:
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_cache: torch.Tensor | None,
-                   query_slot_mapping: torch.Tensor | None) -> torch.Tensor:
-        """The reference's qk_norm_rope_store for float32 rows and caches without q/k norms, 8-bit
-        scales or a Hadamard rotation: q [tokens, q_heads, head_dim] (a new tensor). cos and sin may be
-        rows of one table (each row contiguous, both the same distance apart)."""
+                   query_slot_mapping: torch.Tensor | None, k_scales: torch.Tensor | None = None,
+                   v_scales: torch.Tensor | None = None, hadamard_qk: bool = False) -> torch.Tensor:
+        """The reference's qk_norm_rope_store for float32 rows without q/k norms, into a float32 cache or
+        an 8-bit one (codes with their scales; `cache_kind` says which layouts): q [tokens, q_heads,
+        head_dim] (a new tensor). cos and sin may be rows of one table (each row contiguous, both the
+        same distance apart)."""
         tokens, width = qkv.shape
         _, block_size, kv_heads, head_dim = k_cache.shape
         q_heads = width // head_dim - 2 * kv_heads
-        _require_plain("RoPE and store", qkv, k_cache, v_cache, *([query_cache] if query_cache is not None else []))
+        kind = cache_kind("RoPE and store", k_cache, v_cache, k_scales, v_scales)
+        _require_plain("RoPE and store", qkv, *([query_cache] if query_cache is not None else []))
         _require_plain("RoPE and store", cos[:1], sin[:1])  # rows of one table: each row contiguous
         if q_heads <= 0 or width != (q_heads + 2 * kv_heads) * head_dim or head_dim % 2 or \
                 v_cache.shape != k_cache.shape or cos.shape != (tokens, head_dim) or sin.stride() != cos.stride() or \
-                sin.shape != cos.shape:
+                sin.shape != cos.shape or head_dim > MAX_HEAD or (hadamard_qk and head_dim & (head_dim - 1)):
             raise ValueError(f"qkv rows {tuple(qkv.shape)} do not fit a cache {tuple(k_cache.shape)} "
                              f"and tables {tuple(cos.shape)}")
         slots = slot_mapping.to(torch.int64).contiguous()
@@ -233,7 +238,8 @@ class NativeLibrary:
             raise ValueError(f"{tuple(slots.shape)} slots for {tokens} rows")
         q = torch.empty(tokens, q_heads, head_dim)
         if self._lib.zq_rope_store(qkv.data_ptr(), tokens, q_heads, kv_heads, head_dim, cos.data_ptr(),
-                                   sin.data_ptr(), cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   sin.data_ptr(), cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kind,
+                                   _pointer(k_scales), _pointer(v_scales), block_size, int(hadamard_qk),
                                    slots.data_ptr(), k_cache.shape[0] * block_size,
                                    None if query_slots is None else query_cache.data_ptr(),
                                    None if query_slots is None else query_slots.data_ptr(),
@@ -260,12 +266,14 @@ class NativeLibrary:
 
     def decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         threads: int) -> torch.Tensor:
-        """The reference's paged_decode_attention for float32 queries and a float32 cache (no 8-bit
-        scales): [batch, q_heads, head_dim]."""
+                         threads: int, k_scales: torch.Tensor | None = None,
+                         v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference's paged_decode_attention for float32 queries and a float32 cache, or an 8-bit
+        one with its scales (`cache_kind`): [batch, q_heads, head_dim]."""
         batch, q_heads, head_dim = query.shape
         _, block_size, kv_heads, cache_dim = k_cache.shape
-        _require_plain("decode attention", query, k_cache, v_cache)
+        kind = cache_kind("decode attention", k_cache, v_cache, k_scales, v_scales)
+        _require_plain("decode attention", query)
         if cache_dim != head_dim or v_cache.shape != k_cache.shape or q_heads % kv_heads:
             raise ValueError(f"queries {tuple(query.shape)} do not fit a cache {tuple(k_cache.shape)}")
         tables = block_tables.to(torch.int32).contiguous()
@@ -274,8 +282,8 @@ class NativeLibrary:
             raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lengths.shape)} "
                              f"for {batch} queries")
         out = torch.empty_like(query)
-        failed = self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                               k_cache.shape[0],
+        failed = self._lib.zq_decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kind,
+                                               _pointer(k_scales), _pointer(v_scales), k_cache.shape[0],
                                                tables.data_ptr(), tables.shape[1], lengths.data_ptr(), batch, q_heads,
                                                kv_heads, head_dim, block_size, scale, out.data_ptr(), max(1, threads))
         if failed == -2:
@@ -284,6 +292,35 @@ class NativeLibrary:
         if failed:
             raise MemoryError("no memory for the attention scores")
         return out
+
+
+MAX_HEAD = 512  # kernels.c's ZQ_MAX_HEAD: the widest head RoPE-and-store takes
+CACHE_KINDS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.int8: 2}  # kernels.c's ZQ_FLOAT, ZQ_E4M3, ZQ_INT8
+
+
+def cache_kind(what: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+               v_scales: torch.Tensor | None) -> int:
+    """kernels.c's number for a cache the native kernels read or write: contiguous CPU caches [blocks,
+    block_size, kv_heads, head_dim] of float32 without scales, or of 8-bit codes (fp8 or int8) with
+    float32 scales [blocks, block_size, kv_heads] laid out [blocks, kv_heads, block_size] in memory
+    (the engine's transposed view)."""
+    kind = CACHE_KINDS.get(k_cache.dtype)
+    for cache in (k_cache, v_cache):
+        if cache.dtype != k_cache.dtype or kind is None or not cache.is_contiguous() or cache.device.type != "cpu":
+            raise ValueError(f"native {what} takes contiguous CPU caches of float32 or 8-bit codes, not "
+                             f"{tuple(cache.shape)} {cache.dtype} on {cache.device}")
+    if (k_scales is None) != (kind == 0) or (v_scales is None) != (kind == 0):
+        raise ValueError(f"a {k_cache.dtype} cache needs scales exactly when it holds 8-bit codes")
+    for scales in (k_scales, v_scales) if kind else ():
+        if scales.dtype != torch.float32 or scales.shape != k_cache.shape[:3] or \
+                not scales.transpose(1, 2).is_contiguous() or scales.device.type != "cpu":
+            raise ValueError(f"native {what} takes float32 scales {tuple(k_cache.shape[:3])} laid out [blocks, "
+                             f"kv_heads, block_size], not {tuple(scales.shape)} {scales.dtype} strides {scales.stride()}")
+    return kind
+
+
+def _pointer(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
 
 
 def _require_plain(what: str, *tensors: torch.Tensor) -> None:
@@ -414,6 +451,36 @@ def disagreement(library: NativeLibrary) -> str | None:
     got = library.rope_store(qkv, table[:, 0], table[:, 1], caches[2], caches[3], slots, None, None)
     if not (close(got, want) and close(caches[2], caches[0]) and torch.equal(caches[3], caches[1])):
         return "the native RoPE-and-store disagrees with the reference"
+    for dtype in (torch.float8_e4m3fn, torch.int8):  # 8-bit caches: the codes written, then read
+        why = _codes_disagreement(library, dtype, qkv, table, slots, query, tables, lengths, close)
+        if why:
+            return why
+    return None
+
+
+def _codes_disagreement(library, dtype, qkv, table, slots, query, tables, lengths, close) -> str | None:
+    """disagreement's check of an 8-bit cache: RoPE-and-store (int8 with the Hadamard rotation, as the
+    engine runs it) writes the reference's codes and scales but where the two round a value on either
+    side of a code's midpoint, and decode attention over the codes agrees with the reference's."""
+    from zipage.kernels import reference as ref
+
+    name = "fp8" if dtype == torch.float8_e4m3fn else "int8"
+    rotate = dtype == torch.int8
+    caches = [torch.zeros(2, 4, 2, 8).to(dtype) for _ in range(4)]
+    scales = [torch.ones(2, 2, 4).transpose(1, 2) for _ in range(4)]
+    want = ref.qk_norm_rope_store(qkv, table[:, 0], table[:, 1], None, None, 0.0, caches[0], caches[1], slots,
+                                  None, None, k_scales=scales[0], v_scales=scales[1], hadamard_qk=rotate)
+    got = library.rope_store(qkv, table[:, 0], table[:, 1], caches[2], caches[3], slots, None, None,
+                             k_scales=scales[2], v_scales=scales[3], hadamard_qk=rotate)
+    stored = [ref.dequantize(c, s) for c, s in zip(caches, scales)]
+    step = max(float(s.max()) for s in scales) * (32 if dtype == torch.float8_e4m3fn else 1)  # a code's width
+    if not close(got, want) or any(float((stored[i + 2] - stored[i]).abs().max()) > step for i in (0, 1)):
+        return f"the native RoPE-and-store into an {name} cache disagrees with the reference"
+    codes = {"k_cache": caches[0], "v_cache": caches[1], "k_scales": scales[0], "v_scales": scales[1]}
+    want = ref.paged_decode_attention(query, block_tables=tables, context_lens=lengths, scale=0.3, **codes)
+    if not close(library.decode_attention(query, block_tables=tables, context_lens=lengths, scale=0.3, threads=1,
+                                          **codes), want):
+        return f"the native decode attention over an {name} cache disagrees with the reference"
     return None
 
 

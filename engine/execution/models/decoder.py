@@ -20,6 +20,7 @@ from zipage import kernels
 from zipage.engine.execution.models.parallel import TensorParallel
 from zipage.engine.execution.models.quantized import QuantizedWeights, WeightReport
 from zipage.engine.loading.gguf_tensors import QuantizedTensor
+from zipage.kernels.cpu.native import CACHE_KINDS as NATIVE_CACHE_DTYPES
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -238,9 +239,9 @@ class Attention(nn.Module):
         scales = self.cache_scales
         query_cache = batch.query_cache[self.layer_index] if store_queries else None
         query_slots = batch.query_slot_mapping if store_queries else None
-        if self.runs_natively(qkv) and not self.qk_norm and not self.qk_rotation:
+        if self.runs_natively(qkv) and not self.qk_norm:
             q = self.native.rope_store(qkv, *cos_sin, self.k_cache, self.v_cache, batch.slot_mapping, query_cache,
-                                       query_slots)
+                                       query_slots, **scales, **self.qk_rotation)
         else:
             q = kernels.qk_norm_rope_store(
                 qkv, *cos_sin,
@@ -261,17 +262,17 @@ class Attention(nn.Module):
         return out.reshape(tokens, self.q_size)
 
     def runs_natively(self, x: torch.Tensor) -> bool:
-        """Whether this layer's attention runs on the native CPU library: a model run there, and float32
-        activations and cache (an 8-bit cache's scales are not its to read)."""
-        return self.native is not None and not self.cache_scales and x.dtype == self.k_cache.dtype == torch.float32
+        """Whether this layer's attention runs on the native CPU library: a model run there, float32
+        activations, and a float32 cache or an 8-bit one (its codes and scales read and written there)."""
+        return self.native is not None and x.dtype == torch.float32 and self.k_cache.dtype in NATIVE_CACHE_DTYPES
 
     def _decode_attention(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
-        """One query per sequence against its paged context: natively for a float32 cache of a model
-        that runs on the native CPU library, else through the kernel seam."""
+        """One query per sequence against its paged context: natively for a model that runs on the native
+        CPU library (runs_natively), else through the kernel seam."""
         if self.runs_natively(q):
             return self.native.decode_attention(q.contiguous(), self.k_cache, self.v_cache, block_tables,
-                                                context_lens, self.scale, torch.get_num_threads())
+                                                context_lens, self.scale, torch.get_num_threads(), **self.cache_scales)
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, block_tables, context_lens, self.scale,
                                               **self.cache_scales, **batch.decode_reads(self.k_cache, q.dtype))
 

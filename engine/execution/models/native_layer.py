@@ -5,7 +5,7 @@ one Python call; on a one-row step those calls, not arithmetic, were most of the
 runs the whole layer (norm, QKV product, RoPE and stores, decode attention, O product, norm, gate/up,
 SiLU, down) in one: the same C functions in the same order, so the same bits as the operator-by-
 operator path, which still runs whatever this does not take (prefill and mixed steps, more rows than
-integer dots take, a layer with Qwen3's q/k norms, an 8-bit cache).
+integer dots take, a layer with Qwen3's q/k norms).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from zipage.engine.execution.models import quantized
 from zipage.engine.execution.models.quantized import NativeWeight
-from zipage.kernels.cpu.native import LayerArgs, NativeLibrary
+from zipage.kernels.cpu.native import LayerArgs, NativeLibrary, cache_kind
 
 
 class NativeDecodeLayer:
@@ -47,11 +47,10 @@ class NativeDecodeLayer:
             p.quant is not None and isinstance(p.quant.short, NativeWeight) for p in projections)
 
     def takes(self, hidden: torch.Tensor, batch) -> bool:
-        """A decode-only step of at most LAYER_MAX_ROWS float32 rows over a float32 cache."""
+        """A decode-only step of at most LAYER_MAX_ROWS float32 rows over a cache the library takes."""
         attn = self.layer.self_attn
         return (not batch.is_prefill and not batch.num_decode and hidden.shape[0] <= quantized.LAYER_MAX_ROWS
-                and hidden.dtype == torch.float32 and hidden.is_contiguous() and attn.runs_natively(hidden)
-                and not attn.qk_rotation)
+                and hidden.dtype == torch.float32 and hidden.is_contiguous() and attn.runs_natively(hidden))
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, batch):
         attn, args = self.layer.self_attn, self.args
@@ -66,6 +65,11 @@ class NativeDecodeLayer:
         args.rows, args.threads = rows, torch.get_num_threads()
         args.cos, args.sin, args.table_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         args.k_cache, args.v_cache = attn.k_cache.data_ptr(), attn.v_cache.data_ptr()
+        scales = attn.cache_scales
+        args.kind = cache_kind("decode layer", attn.k_cache, attn.v_cache, scales.get("k_scales"), scales.get("v_scales"))
+        args.k_scales = scales["k_scales"].data_ptr() if scales else None
+        args.v_scales = scales["v_scales"].data_ptr() if scales else None
+        args.hadamard = int(bool(attn.qk_rotation))
         args.cache_blocks, args.block_size = attn.k_cache.shape[0], attn.k_cache.shape[1]
         args.slots, args.block_tables, args.table_width = slots.data_ptr(), tables.data_ptr(), tables.shape[1]
         args.context_lens = lengths.data_ptr()
