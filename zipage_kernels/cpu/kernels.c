@@ -2,7 +2,7 @@
  * GGUF-quantized weights as stored with float32 activations ("integer dots": on AVX2 and in the
  * portable loops the activations are quantized to int16 in groups of 32 and summed in integer units;
  * with AVX-512 each weight is decoded to float32 in registers instead), and the operators between them
- * (RMSNorm, SiLU-and-multiply, RoPE with the cache stores, decode attention over a float32 paged
+ * (RMSNorm, SiLU-and-multiply, RoPE with the cache stores, decode attention over a float32 or 8-bit paged
  * cache), each one call where torch runs several.
  *
  * A weight row is groups of 32 codes with one float16 scale d and offset lo each (w = code * d + lo;

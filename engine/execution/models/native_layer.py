@@ -16,7 +16,7 @@ import torch
 
 from zipage.engine.execution.models import quantized
 from zipage.engine.execution.models.quantized import NativeWeight
-from zipage.kernels.cpu.native import LayerArgs, NativeLibrary, cache_kind
+from zipage.kernels.cpu.native import CACHE_KINDS, LayerArgs, NativeLibrary
 
 
 class NativeDecodeLayer:
@@ -65,8 +65,8 @@ class NativeDecodeLayer:
         args.rows, args.threads = rows, torch.get_num_threads()
         args.cos, args.sin, args.table_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         args.k_cache, args.v_cache = attn.k_cache.data_ptr(), attn.v_cache.data_ptr()
-        scales = attn.cache_scales
-        args.kind = cache_kind("decode layer", attn.k_cache, attn.v_cache, scales.get("k_scales"), scales.get("v_scales"))
+        scales = attn.cache_scales  # (the engine's layouts, which cache_kind describes)
+        args.kind = CACHE_KINDS[attn.k_cache.dtype]
         args.k_scales = scales["k_scales"].data_ptr() if scales else None
         args.v_scales = scales["v_scales"].data_ptr() if scales else None
         args.hadamard = int(bool(attn.qk_rotation))
