@@ -667,7 +667,6 @@ int zq_decode_attention(const float *q, const void *k_cache, const void *v_cache
     /* scores, then (8-bit codes) the sequence's keys and values as float32 rows and their blocks' table */
     const int64_t span = (longest + block_size - 1) / block_size; /* blocks of the longest context */
     const size_t scratch_floats = (size_t)(longest > 0 ? longest : 1) + (kind ? (size_t)(2 * span * block_size * d + span) : 0);
-    const size_t value_size = kind ? 1 : sizeof(float); /* bytes of one cache value */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
     {
@@ -686,8 +685,7 @@ int zq_decode_attention(const float *q, const void *k_cache, const void *v_cache
             if (kind) { /* the codes read once for the group's query heads, then attended as values */
                 float *k_rows = scores + (longest > 0 ? longest : 1), *v_rows = k_rows + span * block_size * d;
                 int32_t *rows_table = (int32_t *)(v_rows + span * block_size * d);
-                const uint8_t *k_codes = (const uint8_t *)k_cache + h * d * value_size;
-                const uint8_t *v_codes = (const uint8_t *)v_cache + h * d * value_size;
+                const uint8_t *k_codes = (const uint8_t *)k_cache + h * d, *v_codes = (const uint8_t *)v_cache + h * d;
                 dequantize_sequence(k_codes, k_scales + h * block_size, kind, table, length, block_size, entry,
                                     kv_heads * block_size, d, k_rows, rows_table);
                 dequantize_sequence(v_codes, v_scales + h * block_size, kind, table, length, block_size, entry,
