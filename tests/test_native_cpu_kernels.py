@@ -451,6 +451,22 @@ def test_decode_attention_over_codes_matches_the_reference(products, dtype, head
     assert torch.equal(alone, got[-1:])  # a sequence's answer is the same bits alone as in its batch
 
 
+@pytest.mark.parametrize("dtype", [FP8, INT8], ids=["fp8", "int8"])
+def test_decode_attention_reads_every_code_exactly(products, dtype):
+    """Contexts of one entry: the output is that entry's values, so every code (e4m3's subnormals
+    included; not its NaN) times its scale must come out bit for bit as the reference dequantizes it."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).view(4, 1, 1, 64)
+    if dtype == FP8:
+        codes = torch.where(codes.float().isnan(), torch.zeros((), dtype=FP8), codes)
+    scales = torch.tensor([0.5, 3.0e-3, 7.25, 1.0]).view(4, 1, 1)  # one block of one entry each
+    tables, context = torch.arange(4, dtype=torch.int32).view(4, 1), torch.ones(4, dtype=torch.int32)
+    query = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(24))
+    got = products.decode_attention(query, codes, codes, tables, context, 0.125, threads=1, k_scales=scales,
+                                    v_scales=scales)
+    values = codes.float() * scales[..., None]
+    assert torch.equal(got, values.view(4, 1, 64).expand(4, 2, 64))
+
+
 def test_8bit_caches_are_refused_without_their_scales_or_in_another_layout(products):
     gen = torch.Generator().manual_seed(23)
     k_values, v_values, tables, context = paged_context([20], gen, kv_heads=2)

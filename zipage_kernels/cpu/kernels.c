@@ -557,8 +557,21 @@ static void dequantize_sequence(const uint8_t *codes, const float *scales, int k
             const uint8_t *c = codes + table[i] * block_size * entry;
             const float *s = scales + table[i] * scale_block;
             float *r = rows + i * block_size * d;
-            for (int64_t e = 0; e < count; e++)
-                for (int64_t j = 0; j < d; j++) r[e * d + j] = code_value(c[e * entry + j], kind) * s[e];
+            for (int64_t e = 0; e < count; e++) {
+                int64_t j = 0;
+#ifdef ZQ_AVX2
+                if (kind == ZQ_E4M3) { /* e4m3's bits placed in float16's are the value / 256, exactly */
+                    const __m256 scale = _mm256_set1_ps(s[e]), power = _mm256_set1_ps(256.0f);
+                    for (; j + 8 <= d; j += 8) {
+                        const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + e * entry + j)));
+                        const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8),
+                                                          _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7f)), 7));
+                        _mm256_storeu_ps(r + e * d + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(half), power), scale));
+                    }
+                }
+#endif
+                for (; j < d; j++) r[e * d + j] = code_value(c[e * entry + j], kind) * s[e];
+            }
         }
         t += count;
     }
