@@ -97,9 +97,13 @@ def chat_in_a_terminal(line: bytes, *flags: str, **env: str) -> None:
     term = Terminal(CLI + ["chat", "--plain", "--max-tokens", "4", *flags] + TINY, **env)
     try:
         assert term.expect(b"you>", 120), term.output[-500:]
-        term.send(line + b"\r")
         term.output = b""
-        assert term.expect(b"you>", 60), term.output[-500:]  # answered, ready for the next line
+        term.send(line + b"\r")
+        # The line sent is redrawn after "you>" at once; the next prompt begins with a cursor-position
+        # query, once the answer has ended.
+        assert term.expect(b"\x1b[6n", 60), term.output[-500:]
+        term.output = term.output[term.output.index(b"\x1b[6n"):]
+        assert term.expect(b"you>", 30), term.output[-500:]  # ready for the next line
         term.send(b"\x04")
         assert term.wait(60) == 0
     finally:
