@@ -546,13 +546,14 @@ static void hadamard_rotate(float *x, int64_t d) {
 /* One KV head's entries of a sequence in an 8-bit cache as float32 values (code * scale, exactly the
  * reference's dequantized values): `codes` and `scales` at the head's first code and scale, entries
  * `entry` codes apart and blocks `scale_block` scales apart; block i of `table` (-1: a hole) lands at
- * rows [i * block_size, d] and row_table[i] = i (or -1), so attend_head reads them as a float32 cache. */
+ * rows [i * block_size, d] and row_table[i] = i (or -1; row_table NULL: not written), so attend_head reads them
+ * as a float32 cache. */
 static void dequantize_sequence(const uint8_t *codes, const float *scales, int kind, const int32_t *table,
                                 int64_t length, int64_t block_size, int64_t entry, int64_t scale_block, int64_t d,
                                 float *rows, int32_t *row_table) {
     for (int64_t i = 0, t = 0; t < length; i++) {
         const int64_t count = length - t < block_size ? length - t : block_size;
-        row_table[i] = table[i] < 0 ? -1 : (int32_t)i;
+        if (row_table) row_table[i] = table[i] < 0 ? -1 : (int32_t)i;
         if (table[i] >= 0) {
             const uint8_t *c = codes + table[i] * block_size * entry;
             const float *s = scales + table[i] * scale_block;
@@ -702,7 +703,7 @@ int zq_decode_attention(const float *q, const void *k_cache, const void *v_cache
                 dequantize_sequence(k_codes, k_scales + h * block_size, kind, table, length, block_size, entry,
                                     kv_heads * block_size, d, k_rows, rows_table);
                 dequantize_sequence(v_codes, v_scales + h * block_size, kind, table, length, block_size, entry,
-                                    kv_heads * block_size, d, v_rows, rows_table);
+                                    kv_heads * block_size, d, v_rows, NULL);
                 k_base = k_rows;
                 v_base = v_rows;
                 entry = d;
