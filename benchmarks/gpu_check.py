@@ -958,6 +958,40 @@ def check_early_launch(report: Report, s: Sizes) -> None:
                                "CUDA graphs", exercised=True, compressing=compression)
 
 
+def check_l2_warm(report: Report, s: Sizes) -> None:
+    """Requests one at a time (one-row steps take the skinny products) on the tiny Qwen3, bf16, CUDA
+    graphs: with each product's weights warmed in L2 two products ahead by a side stream
+    (kernels.l2_warm), the same tokens as without, and the side stream was captured."""
+    from zipage.engine import LLM, SamplingParams
+    from zipage.kernels import l2_warm
+
+    name = "weights warmed in L2: same tokens as without"
+    if s.device != "cuda" or torch.version.hip is not None:
+        report.checks.append(dict(name=name, metric=0.0, threshold=0.0, passed=True, detail="skipped (no NVIDIA CUDA)"))
+        return
+    gen = torch.Generator().manual_seed(22)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (7, 60, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=120, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)]
+    committed, runs = l2_warm.AHEAD, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-tiny"
+        _build_tiny_hf("qwen3-tiny", folder, seed=7)
+        for ahead in (0, 2):
+            l2_warm.AHEAD, forks = ahead, l2_warm.forks
+            llm = LLM(str(folder), device=s.device, dtype="bfloat16", compression=False, block_size=16,
+                      num_kv_blocks=256)
+            try:
+                tokens = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+            finally:
+                llm.close()
+                l2_warm.AHEAD = committed
+            runs[ahead] = (tokens, 0, l2_warm.forks - forks)
+    report_same_tokens(report, name, runs[0], runs[2], f"{runs[2][2]} side-stream forks made",
+                       exercised=runs[2][2] > 0, compressing=False)
+
+
 def report_same_tokens(report: Report, name: str, base, variant, detail: str, exercised: bool,
                        compressing: bool = True) -> None:
     """Two runs of the same requests, (tokens per request, compressions, ...) each: every request's
@@ -1543,6 +1577,7 @@ def main(argv=None) -> int:
         ("compression_engine", "engine with compression: Triton vs reference", lambda: check_engine_compression(report, s)),
         ("overlap", "overlapped decode vs synchronous steps", lambda: check_overlapped_decode(report, s)),
         ("early", "early launch vs plain launch", lambda: check_early_launch(report, s)),
+        ("early", "weights warmed in L2 vs not", lambda: check_l2_warm(report, s)),
         ("budgets", "per-request and elastic budgets", lambda: check_budgets(report, s)),
         ("mixed", "mixed prefill and decode steps", lambda: check_mixed_steps(report, s)),
         ("logprobs", "log-probabilities and penalties", lambda: check_logprobs_and_penalties(report, s)),

@@ -19,6 +19,7 @@ Sections, one engine per --variants entry (random weights, bf16, CUDA graphs, de
 rows count the compressions (pool_compressions: those run because the pool was short) and preemptions.
 --variants picks the layer chains: fused (the Triton kernels the engine registers, as committed),
 fused-no-pdl (the same, every kernel launched without programmatic dependent launch),
+warm-l2-N (fused, each one-row step's product weights warmed in L2 by a side stream N products ahead),
 unfolded (decode steps of 1-16 rows through skinny products, the norms and SiLU as their own
 kernels), folded (the same with the norms and SiLU folded into the products), cublas (decode
 products through cuBLAS, the norms and SiLU as their own kernels), reference (the PyTorch reference chains, several kernels each) or compile (the reference
@@ -49,13 +50,21 @@ COUNTS = ("compressions", "pool_compressions", "preemptions")  # engine totals a
 def use_variant(variant: str) -> None:
     """Route the layer chains through one implementation (see the module docstring)."""
     from zipage import kernels
-    from zipage.kernels import early_launch, reference, triton_cache, triton_linear, triton_ops
+    from zipage.kernels import early_launch, l2_warm, reference, triton_cache, triton_linear, triton_ops
 
     if not COMMITTED:
-        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=early_launch.ENABLED)
+        COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=early_launch.ENABLED,
+                         warm=l2_warm.AHEAD)
     triton_ops.register()
     kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
     early_launch.ENABLED = COMMITTED["pdl"] and variant != "fused-no-pdl"
+    l2_warm.AHEAD = COMMITTED["warm"]
+    if variant.startswith("warm-l2-"):  # fused, each product's weights warmed in L2 N products ahead
+        ahead = variant[len("warm-l2-"):]
+        if not ahead.isdigit():
+            raise SystemExit(f"variant {variant!r}: warm-l2-N takes a number of products (0: off)")
+        l2_warm.AHEAD = int(ahead)
+        return
     if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
         kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS
         triton_linear.FOLD_MAX_ROWS = triton_linear.MAX_ROWS if variant == "folded" else 0

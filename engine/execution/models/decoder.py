@@ -304,12 +304,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.native = None  # NativeDecodeLayer (models/native_layer.py; CausalLM.run_natively), or None
 
-    def forward(self, hidden, residual, cos_sin, batch, skinny: bool = False):
+    def forward(self, hidden, residual, cos_sin, batch, skinny: bool = False, warmer=None):
         """The residual stream travels beside the sublayer outputs, so each residual add fuses
         with the norm after it: returns (this layer's MLP output, the stream before adding it).
-        skinny: the small-batch decode path (see `skinny_decode`)."""
+        skinny: the small-batch decode path (see `skinny_decode`), its weights warmed in L2 by
+        `warmer` where one is given (kernels.l2_warm)."""
         if skinny:
-            return self._forward_skinny(hidden, residual, cos_sin, batch)
+            return self._forward_skinny(hidden, residual, cos_sin, batch, warmer)
         if self.native is not None and self.native.takes(hidden, batch):
             return self.native(hidden, residual, cos_sin, batch)  # the whole layer in one native call
         if residual is None:
@@ -320,19 +321,30 @@ class DecoderLayer(nn.Module):
             self.self_attn(normed, cos_sin, batch), residual)
         return self.mlp(normed), residual
 
-    def _forward_skinny(self, hidden, residual, cos_sin, batch):
-        """The same layer with skinny products. Where kernels.triton_linear folds the prologues,
-        each norm (and residual add) runs in the prologue of the projection after it and
-        SiLU-and-multiply in the down projection's: five launches besides attention's (eight to
-        ten on the plain path)."""
+    def _forward_skinny(self, hidden, residual, cos_sin, batch, warmer=None):
+        """The same layer with skinny products, in the order of `product_weights`. Where
+        kernels.triton_linear folds the prologues, each norm (and residual add) runs in the prologue
+        of the projection after it and SiLU-and-multiply in the down projection's: five launches
+        besides attention's (eight to ten on the plain path)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        warm_next = warmer.before_product if warmer is not None else (lambda: None)
+        warm_next()
         qkv, residual = kernels.norm_linear(hidden, residual, norm1.weight, norm1.eps,
                                             attn.qkv_proj.weight, attn.qkv_proj.bias)
-        out = kernels.linear(attn.attend(qkv, cos_sin, batch), attn.o_proj.weight, attn.o_proj.bias)
+        attended = attn.attend(qkv, cos_sin, batch)
+        warm_next()
+        out = kernels.linear(attended, attn.o_proj.weight, attn.o_proj.bias)
+        warm_next()
         gate_up, residual = kernels.norm_linear(out, residual, norm2.weight, norm2.eps,
                                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        warm_next()
         return kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
+    def product_weights(self) -> list[torch.Tensor]:
+        """The weights of the skinny path's products, in the order it runs them."""
+        attn, mlp = self.self_attn, self.mlp
+        return [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
 
 
 def skinny_decode(hidden: torch.Tensor, batch: ForwardBatch, tp: TensorParallel) -> bool:
@@ -383,8 +395,15 @@ class CausalLM(nn.Module):
         hidden, residual = self._embed(input_ids), None
         cos_sin = self.rope.cos_sin(positions)
         skinny = skinny_decode(hidden, batch, self.tp)
+        warmer = None
+        if skinny:
+            from zipage.kernels import l2_warm
+
+            warmer = l2_warm.warmer([w for layer in self.model.layers for w in layer.product_weights()])
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, batch, skinny)
+            hidden, residual = layer(hidden, residual, cos_sin, batch, skinny, warmer)
+        if warmer is not None:
+            warmer.join()
         return self.model.norm.add(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
