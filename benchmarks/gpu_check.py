@@ -961,9 +961,9 @@ def check_early_launch(report: Report, s: Sizes) -> None:
 def check_l2_warm(report: Report, s: Sizes) -> None:
     """Requests one at a time (one-row steps take the skinny products) on the tiny Qwen3, bf16, CUDA
     graphs: with each product's weights warmed in L2 two products ahead by a side stream
-    (kernels.l2_warm), the same tokens as without, and the side stream was captured."""
+    (triton_linear.weight_warmer), the same tokens as without, and the side stream was captured."""
     from zipage.engine import LLM, SamplingParams
-    from zipage.kernels import l2_warm
+    from zipage.kernels import triton_linear
 
     name = "weights warmed in L2: same tokens as without"
     if s.device != "cuda" or torch.version.hip is not None:
@@ -974,20 +974,20 @@ def check_l2_warm(report: Report, s: Sizes) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=120, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)]
-    committed, runs = l2_warm.AHEAD, {}
+    committed, runs = triton_linear.WARM_AHEAD, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen3-tiny"
         _build_tiny_hf("qwen3-tiny", folder, seed=7)
         for ahead in (0, 2):
-            l2_warm.AHEAD, forks = ahead, l2_warm.forks
+            triton_linear.WARM_AHEAD, forks = ahead, triton_linear.WeightWarmer.forks
             llm = LLM(str(folder), device=s.device, dtype="bfloat16", compression=False, block_size=16,
                       num_kv_blocks=256)
             try:
                 tokens = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
             finally:
                 llm.close()
-                l2_warm.AHEAD = committed
-            runs[ahead] = (tokens, 0, l2_warm.forks - forks)
+                triton_linear.WARM_AHEAD = committed
+            runs[ahead] = (tokens, 0, triton_linear.WeightWarmer.forks - forks)
     report_same_tokens(report, name, runs[0], runs[2], f"{runs[2][2]} side-stream forks made",
                        exercised=runs[2][2] > 0, compressing=False)
 

@@ -50,20 +50,20 @@ COUNTS = ("compressions", "pool_compressions", "preemptions")  # engine totals a
 def use_variant(variant: str) -> None:
     """Route the layer chains through one implementation (see the module docstring)."""
     from zipage import kernels
-    from zipage.kernels import early_launch, l2_warm, reference, triton_cache, triton_linear, triton_ops
+    from zipage.kernels import early_launch, reference, triton_cache, triton_linear, triton_ops
 
     if not COMMITTED:
         COMMITTED.update(rows=kernels.SKINNY_MAX_ROWS, fold=triton_linear.FOLD_MAX_ROWS, pdl=early_launch.ENABLED,
-                         warm=l2_warm.AHEAD)
+                         warm=triton_linear.WARM_AHEAD)
     triton_ops.register()
     kernels.SKINNY_MAX_ROWS, triton_linear.FOLD_MAX_ROWS = COMMITTED["rows"], COMMITTED["fold"]
     early_launch.ENABLED = COMMITTED["pdl"] and variant != "fused-no-pdl"
-    l2_warm.AHEAD = COMMITTED["warm"]
+    triton_linear.WARM_AHEAD = COMMITTED["warm"]
     if variant.startswith("warm-l2-"):  # fused, each product's weights warmed in L2 N products ahead
         ahead = variant[len("warm-l2-"):]
         if not ahead.isdigit():
             raise SystemExit(f"variant {variant!r}: warm-l2-N takes a number of products (0: off)")
-        l2_warm.AHEAD = int(ahead)
+        triton_linear.WARM_AHEAD = int(ahead)
         return
     if variant in ("unfolded", "folded"):  # every decode step of 1-16 rows through skinny products
         kernels.SKINNY_MAX_ROWS = triton_linear.MAX_ROWS

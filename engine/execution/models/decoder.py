@@ -308,7 +308,7 @@ class DecoderLayer(nn.Module):
         """The residual stream travels beside the sublayer outputs, so each residual add fuses
         with the norm after it: returns (this layer's MLP output, the stream before adding it).
         skinny: the small-batch decode path (see `skinny_decode`), its weights warmed in L2 by
-        `warmer` where one is given (kernels.l2_warm)."""
+        `warmer` where one is given (kernels.triton_linear.weight_warmer)."""
         if skinny:
             return self._forward_skinny(hidden, residual, cos_sin, batch, warmer)
         if self.native is not None and self.native.takes(hidden, batch):
@@ -397,9 +397,9 @@ class CausalLM(nn.Module):
         skinny = skinny_decode(hidden, batch, self.tp)
         warmer = None
         if skinny:
-            from zipage.kernels import l2_warm
+            from zipage.kernels import triton_linear
 
-            warmer = l2_warm.warmer([w for layer in self.model.layers for w in layer.product_weights()])
+            warmer = triton_linear.weight_warmer([w for layer in self.model.layers for w in layer.product_weights()])
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos_sin, batch, skinny, warmer)
         if warmer is not None:

@@ -1,4 +1,4 @@
-"""Weights warmed in L2 ahead of their products (kernels.l2_warm): which product's weights are asked
+"""Weights warmed in L2 ahead of their products (kernels.triton_linear.weight_warmer): which product's weights are asked
 for before which, that a layer's skinny path asks in the order it runs its products, and where no
 warming happens. The side stream itself needs CUDA (benchmarks/gpu_check.py compares the tokens)."""
 
@@ -10,12 +10,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from zipage import kernels  # noqa: E402
-from zipage.kernels import l2_warm  # noqa: E402
+from zipage.kernels import triton_linear  # noqa: E402
 
 
 @pytest.mark.parametrize("count,ahead", [(8, 2), (8, 1), (5, 4), (3, 7), (112, 3)])
 def test_every_product_is_warmed_once_at_most_ahead_products_before_it(count, ahead):
-    order = l2_warm.warm_order(count, ahead)
+    order = triton_linear.warm_order(count, ahead)
     assert len(order) == count
     warmed_before = {}  # product -> the product before which its weights were asked for
     for k, due in enumerate(order):
@@ -30,17 +30,17 @@ def test_every_product_is_warmed_once_at_most_ahead_products_before_it(count, ah
 
 
 def test_no_warming_ahead_zero_or_no_products():
-    assert l2_warm.warm_order(4, 0) == [[], [], [], []]
-    assert l2_warm.warm_order(0, 2) == []
+    assert triton_linear.warm_order(4, 0) == [[], [], [], []]
+    assert triton_linear.warm_order(0, 2) == []
 
 
 def test_no_warmer_off_on_the_cpu_or_for_large_products(monkeypatch):
     small = [torch.zeros(64, 64, dtype=torch.bfloat16) for _ in range(4)]
-    monkeypatch.setattr(l2_warm, "AHEAD", 0)
-    assert l2_warm.warmer(small) is None
-    monkeypatch.setattr(l2_warm, "AHEAD", 2)
-    assert l2_warm.warmer(small) is None  # CPU tensors: nothing to warm
-    assert l2_warm.warmer([]) is None
+    monkeypatch.setattr(triton_linear, "WARM_AHEAD", 0)
+    assert triton_linear.weight_warmer(small) is None
+    monkeypatch.setattr(triton_linear, "WARM_AHEAD", 2)
+    assert triton_linear.weight_warmer(small) is None  # CPU tensors: nothing to warm
+    assert triton_linear.weight_warmer([]) is None
 
 
 class RecordingWarmer:
