@@ -405,6 +405,8 @@ class WeightWarmer:
     """One forward's warming: call `before_product()` just before each product, in the order of
     `weights`, then `join()` before the forward returns."""
 
+    forks = 0  # side-stream launches made (captures and eager forwards), for checks that it ran
+
     def __init__(self, weights: list[torch.Tensor], ahead: int):
         self.weights = weights
         self.order = warm_order(len(weights), ahead)
@@ -414,8 +416,6 @@ class WeightWarmer:
         if index not in _side_streams:
             _side_streams[index] = torch.cuda.Stream(device=device)
         self.side = _side_streams[index]
-
-    forks = 0  # side-stream launches made (captures and eager forwards), for checks that it ran
 
     def before_product(self) -> None:
         due = self.order[self.next] if self.next < len(self.order) else []
@@ -432,10 +432,14 @@ class WeightWarmer:
         torch.cuda.current_stream().wait_stream(self.side)
 
 
-def weight_warmer(weights: list[torch.Tensor]) -> WeightWarmer | None:
-    """A warmer for a forward over these product weights (in their order), or None where warming is
-    off: WARM_AHEAD 0, not NVIDIA CUDA, or a product over WARM_MAX_BYTES (whose weights L2 cannot hold ahead)."""
-    if WARM_AHEAD <= 0 or not weights or weights[0].device.type != "cuda" or torch.version.hip is not None:
+def weight_warmer(weights) -> WeightWarmer | None:
+    """A warmer for a forward over these product weights (an iterable, in their order; read only when
+    warming is on), or None where it is off: WARM_AHEAD 0, not NVIDIA CUDA, or a product over
+    WARM_MAX_BYTES (whose weights L2 cannot hold ahead)."""
+    if WARM_AHEAD <= 0:
+        return None
+    weights = list(weights)
+    if not weights or weights[0].device.type != "cuda" or torch.version.hip is not None:
         return None
     if max(w.numel() * w.element_size() for w in weights) > WARM_MAX_BYTES:
         return None

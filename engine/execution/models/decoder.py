@@ -399,7 +399,7 @@ class CausalLM(nn.Module):
         if skinny:
             from zipage.kernels import triton_linear
 
-            warmer = triton_linear.weight_warmer([w for layer in self.model.layers for w in layer.product_weights()])
+            warmer = triton_linear.weight_warmer(w for layer in self.model.layers for w in layer.product_weights())
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos_sin, batch, skinny, warmer)
         if warmer is not None:
